@@ -1,0 +1,174 @@
+"""Engine configuration: plain dataclasses, validated once at construction."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Accept 2147483648, "2GiB", "512MiB", "1.5GB" and return a byte count."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte size, got {value!r}")
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise ValueError(f"byte size must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse byte size {value!r} (examples: 2GiB, 512MiB, 1000000)")
+    n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"byte size must be positive, got {value!r}")
+    return n
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters, filled from config.json or GGUF metadata alike."""
+
+    architecture: str = "llama"  # llama | mistral | qwen2
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 0  # 0 -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        eos = cfg.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        heads = cfg["num_attention_heads"]
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            rope_scaling=_rope_scaling(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return self.num_hidden_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+
+
+def _rope_theta(cfg: dict) -> float:
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def _rope_scaling(cfg: dict) -> dict | None:
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    return dict(scaling, rope_type=kind)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self):
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None -> the model's context length
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, named like its CLI flag (--kv-cache-memory -> kv_cache_memory)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    attention_backend: str = "reference"
+    num_threads: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching)
+
+    def scheduler_config(self, model_len: int) -> SchedulerConfig:
+        max_len = min(self.max_model_len or model_len, model_len)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_len,
+                               self.enable_chunked_prefill)

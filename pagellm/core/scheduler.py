@@ -1,0 +1,185 @@
+"""Token-budget continuous batching: no prefill or decode phases, just tokens owed per request.
+
+Each step, running requests are served first (in arrival order), then waiting ones are admitted
+while the budget, `max_num_seqs` and free blocks last. A prompt is prefilled in chunks of whatever
+the budget leaves. When blocks run out, the latest-arrived running request is preempted by
+recompute: its blocks are freed and it re-enters the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]  # the request's whole block table (shared list, read-only for the runner)
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so its last logits are sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_finished: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = config.max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept sorted by arrival_seq
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        limit = self.max_model_len
+        if req.num_prompt_tokens >= limit:
+            raise ValueError(
+                f"prompt has {req.num_prompt_tokens} tokens, but this engine's max_model_len is {limit} "
+                f"(model context and KV cache of {self.kv_cache.capacity_tokens} tokens); "
+                f"it must be at most {limit - 1} to leave room for one output token")
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    def abort_requests(self, request_ids) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                aborted.append(req)
+        return aborted
+
+    def finish_request(self, req: Request, status: RequestStatus, stop_reason=None) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        req.stop_reason = stop_reason
+        self.kv_cache.free(req)
+        self.requests.pop(req.request_id, None)
+        self.stats.num_finished += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing owed (cannot normally happen); skip rather than spin
+                i += 1
+                continue
+            while self.kv_cache.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()  # latest arrival: the list is sorted by arrival
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new, self.kv_cache.block_table(req.request_id)))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+                i += 1
+
+        # A step that had to preempt is short of memory: admitting more would only thrash.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(req)
+            owed = req.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and owed > budget:
+                break
+            num_new = min(owed, budget)
+            req.num_computed_tokens = 0
+            if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
+                break
+            req.num_computed_tokens = num_hit_tokens
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival_seq)
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv_cache.block_table(req.request_id)))
+            budget -= num_new
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, apply stop rules. Returns the requests
+        that got a new token this step (finished ones included)."""
+        progressed = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv_cache.cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            progressed.append(req)
+            self._check_stop(req, token)
+        return progressed
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return self.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_reason=token)
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or req.num_tokens >= self.max_model_len:
+            self.finish_request(req, RequestStatus.FINISHED_LENGTH)

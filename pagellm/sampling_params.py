@@ -1,0 +1,93 @@
+"""SamplingParams with vLLM's field names, validated with errors that name the field and its range."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self):
+        def bad(name, rule, value):
+            raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "an integer >= 1", self.n)
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "in [0, 100]", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", "-1 (disabled) or an integer >= 1", self.top_k)
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "in [0, 1]", self.min_p)
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "an integer >= 1", self.max_tokens)
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", "an integer in [0, 20]", self.logprobs)
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "an integer", self.seed)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "a list of non-empty strings", self.stop)
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
+        for tok, bias in (self.logit_bias or {}).items():
+            if not -100.0 <= float(bias) <= 100.0:
+                bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def child(self, index: int) -> SamplingParams:
+        """Params for the index-th of n parallel samples: one sequence each, distinct seeds."""
+        import dataclasses
+
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

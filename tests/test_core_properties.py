@@ -1,0 +1,83 @@
+"""Property tests: random add / step / abort interleavings keep DESIGN.md §3's block invariants."""
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagellm.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import Scheduler
+from pagellm.request import Request
+from pagellm.sampling_params import SamplingParams
+
+EOS = 3
+
+
+def check_invariants(sched: Scheduler, kv: KVCacheManager) -> None:
+    pool = kv.pool
+    held = Counter(b for table in kv.req_blocks.values() for b in table)
+    for b in range(pool.num_blocks):
+        assert pool.ref_cnt[b] == held[b], f"block {b}: ref {pool.ref_cnt[b]} != {held[b]} tables"
+        assert pool.is_free(b) == (pool.ref_cnt[b] == 0), f"block {b} free/held mismatch"
+    assert pool.num_free + len(held) == pool.num_blocks
+    live = {r.request_id for r in sched.running}
+    assert set(kv.req_blocks) <= live | {r.request_id for r in sched.waiting}
+    for r in sched.running:
+        assert len(kv.block_table(r.request_id)) * kv.block_size >= r.num_computed_tokens
+    for r in sched.waiting:
+        assert r.request_id not in kv.req_blocks
+    assert len(sched.running) <= sched.config.max_num_seqs
+    for b, h in enumerate(pool.block_hash):  # a cached hash maps back to its block
+        if h is not None:
+            assert pool.lookup(h) == b
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("step"), st.integers(0, 10**6)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+    ),
+    min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]),
+       budget=st.integers(1, 48), max_seqs=st.integers(1, 6), chunked=st.booleans(), caching=st.booleans())
+def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budget, max_seqs, chunked, caching):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    max_len = num_blocks * block_size
+    sched = Scheduler(SchedulerConfig(max_seqs, max(budget, max_len) if not chunked else budget, max_len,
+                                      chunked), kv)
+    added = []
+    for op in ops:
+        if op[0] == "add":
+            _, n_prompt, max_tokens, prefix_family = op
+            if n_prompt >= max_len:
+                continue
+            # Prompts of one family share a prefix, so prefix caching gets hits.
+            prompt = [10 + prefix_family] * (n_prompt // 2) + list(range(100, 100 + n_prompt - n_prompt // 2))
+            req = Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=max_tokens), frozenset({EOS}))
+            sched.add_request(req)
+            added.append(req)
+        elif op[0] == "step":
+            out = sched.schedule()
+            seed = op[1]
+            sampled = {s.request.request_id: (seed + i) % 50 for i, s in enumerate(out.scheduled) if s.samples}
+            sched.update(out, sampled)
+        elif added:
+            sched.abort_requests([added[op[1] % len(added)].request_id])
+        check_invariants(sched, kv)
+    steps = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        assert out.scheduled, "scheduler stalled with unfinished requests"
+        sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+        check_invariants(sched, kv)
+        steps += 1
+        assert steps < 10_000
+    assert kv.pool.num_free == kv.num_blocks, "blocks leaked after every request finished"
+    for r in added:
+        assert r.is_finished
+        assert r.num_output_tokens <= r.params.max_tokens
