@@ -117,7 +117,10 @@ class CacheConfig:
     enable_prefix_caching: bool = False
 
     def __post_init__(self):
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        try:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        except ValueError as e:
+            raise ValueError(f"kv_cache_memory: {e}") from None
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
 

@@ -1,0 +1,60 @@
+"""`pagellm bench throughput`: argument parsing, running, printing, JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+
+def add_bench_parser(sub, add_engine_args) -> None:
+    b = sub.add_parser("bench", help="benchmarks", description="Benchmarks; results print as a table and JSON.")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    t = bsub.add_parser("throughput", help="offline throughput on a random workload",
+                        description="Offline throughput: all requests submitted at once, greedy, ignore_eos.")
+    t.add_argument("--num-prompts", type=int, default=64, help="requests (default 64)")
+    t.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+                   help="prompt length range, uniform (default 32 512)")
+    t.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+                   help="output length range, uniform (default 16 256)")
+    t.add_argument("--workload-seed", type=int, default=0, help="random.Random seed of the workload")
+    t.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    add_engine_args(t)
+    t.set_defaults(func=_throughput)
+
+
+def _throughput(ns: argparse.Namespace) -> int:
+    from pagellm import LLM
+    from pagellm.bench.throughput import run_pagellm_throughput
+    from pagellm.bench.workload import random_workload
+    from pagellm.cli import engine_args_from
+
+    t0 = time.perf_counter()
+    llm = LLM(**vars(engine_args_from(ns)))
+    ready = time.perf_counter() - t0
+    workload = random_workload(ns.num_prompts, llm.engine.model_config.vocab_size, tuple(ns.input_len),
+                               tuple(ns.output_len), ns.workload_seed)
+    result = run_pagellm_throughput(llm, workload)
+    result["ready_s"] = round(ready, 2)
+    result["preemptions"] = llm.engine.scheduler.stats.num_preemptions
+    report = {"benchmark": "throughput", "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+              "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": vars(llm.engine.args),
+              "results": [result]}
+    for k, v in result.items():
+        print(f"{k:>22}: {v}")
+    if ns.json:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
+        with open(ns.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {ns.json}")
+    return 0
+
+
+def _machine() -> dict:
+    import torch
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}

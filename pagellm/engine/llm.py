@@ -1,0 +1,81 @@
+"""Offline API: LLM(model=...).generate(prompts, SamplingParams)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pagellm.config import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Every EngineArgs field is a keyword argument: LLM(kv_cache_memory="2GiB", max_num_seqs=32)."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(str(next(self._ids)), prompt, p))
+        except Exception:
+            self.engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                              add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()

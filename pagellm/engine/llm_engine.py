@@ -1,0 +1,210 @@
+"""The synchronous engine: add_request / abort_request / step()."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.config import EngineArgs, ModelConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import Scheduler
+from pagellm.engine.output_processor import RequestState, SequenceState
+from pagellm.model.attention import get_attention_backend
+from pagellm.model.loader import iter_weights, load_config, resolve_model_path
+from pagellm.model.models.llama import MODEL_REGISTRY
+from pagellm.model.runner import ModelRunner
+from pagellm.model.sampler import Sampler
+from pagellm.outputs import RequestOutput
+from pagellm.request import Request, RequestStatus
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+
+logger = logging.getLogger("pagellm")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineStats:
+    """Counters the metrics layer reads; cumulative since start."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+
+
+def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    arch = cfg.architecture
+    if arch not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(MODEL_REGISTRY)})")
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[arch](cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers computed at init were lost on the meta device; rebuild them for real.
+    from pagellm.model.layers.rotary import RotaryEmbedding
+
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                   cfg.rope_scaling).to(device)
+    model.load_weights(iter_weights(path, cfg, dtype))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        t0 = time.perf_counter()
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.device = torch.device(args.device)
+        dtype = _DTYPES[args.dtype]
+        path = resolve_model_path(args.model)
+        self.model_path = path
+        self.model_config = cfg = load_config(path)
+        self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
+        self.model = load_model(path, cfg, dtype, self.device)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        cache = args.cache_config()
+        dtype_bytes = torch.finfo(dtype).bits // 8
+        self.bytes_per_block = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                                * cache.block_size * dtype_bytes)
+        num_blocks = cache.kv_cache_memory // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes is less than one KV block "
+                             f"({self.bytes_per_block} bytes at block_size={cache.block_size})")
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # A sequence can never be longer than the whole cache holds, so that is a length limit too.
+        sched_cfg = args.scheduler_config(min(cfg.max_position_embeddings, self.kv_cache.capacity_tokens))
+        if not sched_cfg.enable_chunked_prefill:
+            # Without chunking, a whole (re-)prefill must fit in one step's budget.
+            sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.kv_cache)
+        self.max_model_len = sched_cfg.max_model_len
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, dtype, self.device,
+                                  get_attention_backend(args.attention_backend), Sampler(self.eos_token_ids))
+        self.requests: dict[str, RequestState] = {}
+        self._seq_to_request: dict[str, str] = {}
+        self.stats = EngineStats()
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info(
+            "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache %d blocks x %d tokens = "
+            "%d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
+            path, cfg.architecture, args.dtype, self.startup_seconds, self.weights_bytes / 2**20, num_blocks,
+            cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
+            self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids, params)
+        arrival_time = arrival_time or time.time()
+        seqs = []
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = params if params.n == 1 else params.child(i)
+            req = Request(seq_id, prompt_ids, child, self.eos_token_ids, arrival_time)
+            self.scheduler.add_request(req)
+            self._seq_to_request[seq_id] = request_id
+            seqs.append(SequenceState(i, req, self.tokenizer))
+        self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, seqs, arrival_time)
+        self.stats.prompt_tokens += len(prompt_ids)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                    for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string or a list of token ids")
+
+    def _validate_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, but max_model_len is {self.max_model_len} "
+                f"(model context {self.model_config.max_position_embeddings}, KV cache holds "
+                f"{self.kv_cache.capacity_tokens} tokens); the prompt must leave room for one output token")
+        for tok in (params.logit_bias or {}):
+            if not 0 <= int(tok) < vocab:
+                raise ValueError(f"logit_bias token id {tok} is out of range [0, {vocab})")
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            self.scheduler.abort_requests([s.request.request_id for s in state.seqs])
+            for s in state.seqs:
+                self._seq_to_request.pop(s.request.request_id, None)
+            self._count_finished(RequestStatus.FINISHED_ABORTED.value)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        sampled = self.runner.execute(sched_out)
+        progressed = self.scheduler.update(sched_out, {rid: t.token_id for rid, t in sampled.items()})
+        self.stats.steps += 1
+        touched: dict[str, RequestState] = {}
+        now = time.time()
+        for req in progressed:
+            rid = self._seq_to_request[req.request_id]
+            state = self.requests[rid]
+            seq = state.seqs[0] if len(state.seqs) == 1 else next(
+                s for s in state.seqs if s.request is req)
+            tok = sampled[req.request_id]
+            stop = seq.add_token(tok.token_id, tok.logprob, tok.top_logprobs)
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+            self.stats.generation_tokens += 1
+            if state.first_token_time is None:
+                state.first_token_time = now
+            touched[rid] = state
+        outputs = []
+        for rid, state in touched.items():
+            outputs.append(state.output())
+            if state.finished:
+                self._finish(rid, state)
+        return outputs
+
+    def _finish(self, rid: str, state: RequestState) -> None:
+        del self.requests[rid]
+        for s in state.seqs:
+            self._seq_to_request.pop(s.request.request_id, None)
+        self._count_finished(state.seqs[0].request.finish_reason or "abort")
+
+    def _count_finished(self, reason: str) -> None:
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache.reset_prefix_cache()

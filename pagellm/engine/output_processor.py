@@ -1,0 +1,87 @@
+"""Turns sampled tokens into user-facing outputs: incremental text, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.request import Request
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class SequenceState:
+    """Text and logprobs of one generated sequence (one of a request's n)."""
+
+    def __init__(self, index: int, req: Request, tokenizer: Tokenizer):
+        self.index = index
+        self.request = req
+        self.params = req.params
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
+                                            skip_special_tokens=req.params.skip_special_tokens)
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if req.params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if req.params.logprobs is not None else None
+        self._hold_back = max((len(s) for s in req.params.stop), default=1) - 1
+
+    def add_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> str | None:
+        """Append one token's text; returns the stop string if one now appears in the text."""
+        new_text = self.detok.step([token_id])
+        self.text += new_text
+        if self.logprobs is not None and logprob is not None:
+            entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
+                     for rank, (tid, lp) in enumerate(top or [])}
+            if token_id not in entry:
+                entry = {token_id: Logprob(logprob, None, self.tokenizer.decode([token_id],
+                                                                               skip_special_tokens=False)),
+                         **entry}
+            self.logprobs.append(entry)
+            self.cumulative_logprob += logprob
+        return self._find_stop(len(new_text))
+
+    def _find_stop(self, new_len: int) -> str | None:
+        p: SamplingParams = self.params
+        if not p.stop:
+            return None
+        # A stop string can only end inside the newest token's text plus what could precede it.
+        window_start = max(0, len(self.text) - new_len - self._hold_back)
+        best = None
+        for stop in p.stop:
+            pos = self.text.find(stop, window_start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return None
+        pos, stop = best
+        self.text = self.text[:pos + len(stop)] if p.include_stop_str_in_output else self.text[:pos]
+        return stop
+
+    def output(self) -> CompletionOutput:
+        req = self.request
+        text = self.text
+        if not req.is_finished and self._hold_back:
+            # Don't show what may turn out to be the start of a stop string.
+            text = text[:max(0, len(text) - self._hold_back)]
+        return CompletionOutput(index=self.index, text=text, token_ids=list(req.output_token_ids),
+                                cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs,
+                                finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+
+
+class RequestState:
+    """A user request: its prompt and the n sequences generated for it."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 seqs: list[SequenceState], arrival_time: float):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.seqs = seqs
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [s.output() for s in self.seqs], self.finished)

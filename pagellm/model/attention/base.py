@@ -1,0 +1,50 @@
+"""The one interface every attention backend implements, and the per-step metadata it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes a flat, mixed batch: request i owns query rows query_start_loc[i]:query_start_loc[i+1]
+    (its new tokens) and attends to seq_lens[i] keys (cached prefix + new tokens)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) per new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32/int64, padded with 0
+    query_start_loc: list[int]  # B + 1 offsets into the T query rows
+    seq_lens: list[int]  # B total lengths after this step
+    block_size: int
+    sliding_window: int | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend:
+    """KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    name = "base"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KV, D] (new tokens). Writes k, v into the cache, returns [T, H, D]."""
+        raise NotImplementedError
+
+    @staticmethod
+    def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+        num_kv, head_dim = k.shape[1], k.shape[2]
+        kv_cache[0].view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    from pagellm.model.attention.reference import ReferenceAttention
+
+    backends = {ReferenceAttention.name: ReferenceAttention}
+    if name not in backends:
+        raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}")
+    return backends[name]()

@@ -1,0 +1,45 @@
+"""Reference paged attention in plain PyTorch: gather each request's blocks, then SDPA with a causal
+mask offset by the cached prefix. One loop over requests; correct for any mix of prefill and decode."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.model.attention.base import AttentionBackend, AttentionMetadata
+
+
+class ReferenceAttention(AttentionBackend):
+    name = "reference"
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        bs = meta.block_size
+        num_kv, head_dim = k.shape[1], k.shape[2]
+        for i, seq_len in enumerate(meta.seq_lens):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            n_blocks = -(-seq_len // bs)
+            blocks = meta.block_tables[i, :n_blocks]
+            keys = kv_cache[0, blocks].reshape(-1, num_kv, head_dim)[:seq_len]
+            values = kv_cache[1, blocks].reshape(-1, num_kv, head_dim)[:seq_len]
+            mask = causal_mask(end - start, seq_len, meta.sliding_window, q.device)
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1).unsqueeze(0),
+                keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+
+def causal_mask(num_queries: int, seq_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    """Query j sits at position seq_len - num_queries + j and sees keys at positions <= its own."""
+    if num_queries == 1 and (sliding_window is None or seq_len <= sliding_window):
+        return None
+    q_pos = torch.arange(seq_len - num_queries, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask

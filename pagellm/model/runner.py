@@ -1,0 +1,86 @@
+"""SchedulerOutput -> flat input tensors -> one forward over the mixed batch -> sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.core.scheduler import SchedulerOutput
+from pagellm.model.attention import AttentionBackend, AttentionMetadata
+from pagellm.model.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 device: torch.device, backend: AttentionBackend, sampler: Sampler):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.backend = backend
+        self.sampler = sampler
+        self.sliding_window = cfg.sliding_window
+        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
+                          for _ in range(cfg.num_hidden_layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+
+    def _prepare(self, out: SchedulerOutput):
+        ids, positions, starts, seq_lens = [], [], [0], []
+        for s in out.scheduled:
+            start = s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids.extend(s.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            starts.append(starts[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        table = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int64)
+        for i, s in enumerate(out.scheduled):
+            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        row_req = torch.repeat_interleave(torch.arange(len(seq_lens)),
+                                          torch.tensor([s.num_new_tokens for s in out.scheduled]))
+        slots = table[row_req, pos // self.block_size] * self.block_size + pos % self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(self.device), block_tables=table.to(self.device), query_start_loc=starts,
+            seq_lens=seq_lens, block_size=self.block_size, sliding_window=self.sliding_window)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return input_ids, pos.to(self.device), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Runs the step; returns a token for each request whose chunk reached its last known token."""
+        if out.is_empty:
+            return {}
+        input_ids, positions, meta = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        sampling = [(i, s.request) for i, s in enumerate(out.scheduled) if s.samples]
+        if not sampling:
+            return {}
+        rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        result = self.sampler(logits, [self._sampling_row(req) for _, req in sampling])
+        sampled = {}
+        for j, (_, req) in enumerate(sampling):
+            sampled[req.request_id] = SampledToken(
+                result.token_ids[j],
+                result.logprobs[j] if result.logprobs is not None else None,
+                result.top_logprobs[j] if result.top_logprobs is not None else None)
+        return sampled
+
+    def _sampling_row(self, req) -> SamplingRow:
+        if req.sampling_state is None and req.params.seed is not None:
+            req.sampling_state = torch.Generator(device=self.device).manual_seed(req.params.seed)
+        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_state)

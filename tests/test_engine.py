@@ -1,0 +1,169 @@
+"""Engine behaviour on a tiny random Llama: batching invariance, preemption, stops, seeds, bad input."""
+
+import random
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_hf_model):
+    return tiny_hf_model("llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def make_llm(tiny_path, smollm_gguf_path):
+    def make(**kw):
+        kw.setdefault("kv_cache_memory", "8MiB")
+        return LLM(tiny_path, tokenizer=smollm_gguf_path, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm):
+    return make_llm()
+
+
+def prompts(n, seed=0, lo=5, hi=120):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy_ids(llm, ps, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+
+
+def assert_all_blocks_free(llm):
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free == kv.num_blocks and not kv.req_blocks
+    assert not llm.engine.scheduler.has_unfinished_requests()
+
+
+def test_chunked_prefill_on_and_off_agree(make_llm):
+    ps = prompts(8, seed=1, lo=40, hi=200)
+    chunked = greedy_ids(make_llm(max_num_batched_tokens=32), ps)
+    whole = greedy_ids(make_llm(enable_chunked_prefill=False, max_num_batched_tokens=32), ps)
+    assert chunked == whole
+
+
+def test_preemption_keeps_greedy_output(make_llm, llm):
+    ps = prompts(12, seed=2, lo=60, hi=120)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = greedy_ids(llm, ps, params)
+    # 40 blocks of 16 tokens: a few requests fit at a time, growth forces preemption.
+    small = make_llm(kv_cache_memory=40 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)
+    assert small.engine.kv_cache.num_blocks == 40
+    assert greedy_ids(small, ps, params) == expected
+    assert small.engine.scheduler.stats.num_preemptions > 0
+    assert_all_blocks_free(small)
+
+
+def test_one_prompt_alone_equals_inside_a_batch_of_32(llm):
+    target = prompts(1, seed=3)[0]
+    alone = greedy_ids(llm, [target])[0]
+    others = prompts(32, seed=4)
+    batch = others[:16] + [target] + others[16:]
+    assert greedy_ids(llm, batch)[16] == alone
+
+
+def test_64_concurrent_random_requests_finish_and_free_every_block(llm):
+    rng = random.Random(5)
+    ps = prompts(64, seed=5, lo=1, hi=300)
+    params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(1, 60),
+                             ignore_eos=True, seed=i) for i in range(64)]
+    outs = llm.generate(ps, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=15, seed=1234, ignore_eos=True)
+    target = prompts(1, seed=6)[0]
+    alone = greedy_ids(llm, [target], p)[0]
+    others = prompts(5, seed=7)
+    mixed = greedy_ids(llm, others + [target], [SamplingParams(temperature=1.0, max_tokens=15)] * 5 + [p])[5]
+    assert alone == mixed
+    other_seed = greedy_ids(llm, [target], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=15, seed=99,
+                                                          ignore_eos=True))[0]
+    assert other_seed != alone
+
+
+def test_stop_string_truncates_and_is_not_emitted(llm):
+    ps = prompts(1, seed=8)
+    full = llm.generate(ps, GREEDY, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    assert len(text) > 12
+    stop = text[6:10]  # a substring that likely spans token boundaries
+    first = text.find(stop)
+    out = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert_all_blocks_free(llm)
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    ps = prompts(1, seed=9)
+    ids = greedy_ids(llm, ps)[0]
+    out = llm.generate(ps, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                          stop_token_ids=[ids[3]]), use_tqdm=False)[0].outputs[0]
+    k = ids.index(ids[3])
+    assert out.token_ids == ids[:k + 1] and out.finish_reason == "stop" and out.stop_reason == ids[3]
+
+
+def test_n_parallel_samples_and_per_prompt_params(llm):
+    out = llm.generate(prompts(1, seed=10), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert_all_blocks_free(llm)
+
+
+def test_prompt_over_max_model_len_is_rejected_with_both_numbers(make_llm):
+    llm = make_llm(max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt has 100 tokens, but max_model_len is 64"):
+        llm.generate([[5] * 100], GREEDY, use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_prompt_over_kv_capacity_is_rejected(make_llm):
+    llm = make_llm(kv_cache_memory=4 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)  # 4 blocks = 64 tokens
+    with pytest.raises(ValueError, match=r"prompt has 80 tokens.*max_model_len is 64.*KV cache holds 64"):
+        llm.generate([[5] * 80], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
+    (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(logprobs=100), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_invalid_sampling_params_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=rf"^{field} must be"):
+        SamplingParams(**kw)
+
+
+def test_bad_prompts_and_options(llm, make_llm):
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[1, 2, 10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="at least one token"):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="unknown engine option"):
+        make_llm(max_num_seq=3)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        make_llm(kv_cache_memory="12 parsecs")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM("/nonexistent/model")
+    assert_all_blocks_free(llm)
+
+
+def test_kv_cache_memory_accepts_strings_and_ints(make_llm):
+    a = make_llm(kv_cache_memory="1MiB", block_size=16)
+    b = make_llm(kv_cache_memory=2**20, block_size=16)
+    # bytes per block = 2 (K,V) * 2 layers * 2 kv heads * 16 head_dim * 16 tokens * 4 bytes
+    assert a.engine.kv_cache.num_blocks == b.engine.kv_cache.num_blocks == 2**20 // (2 * 2 * 2 * 16 * 16 * 4)
