@@ -32,7 +32,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
     g.add_argument("--attention-backend", default=d.attention_backend, help="attention implementation")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    g.add_argument("--seed", type=int, default=d.seed, help="engine seed")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -62,6 +62,7 @@ class LLMEngine:
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.seed)  # unseeded sampling is reproducible per engine run
         self.device = torch.device(args.device)
         dtype = _DTYPES[args.dtype]
         path = resolve_model_path(args.model)
