@@ -42,9 +42,10 @@ class AttentionBackend:
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
+    from pagellm.model.attention.batched import BatchedAttention
     from pagellm.model.attention.reference import ReferenceAttention
 
-    backends = {ReferenceAttention.name: ReferenceAttention}
+    backends = {b.name: b for b in (ReferenceAttention, BatchedAttention)}
     if name not in backends:
         raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}")
     return backends[name]()

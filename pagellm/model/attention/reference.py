@@ -14,13 +14,17 @@ class ReferenceAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale, range(meta.num_reqs))
+
+    def attend(self, q, kv_cache, meta: AttentionMetadata, scale: float, reqs) -> torch.Tensor:
+        """Attention output for the query rows of the requests in `reqs` (other rows left unset)."""
         out = torch.empty_like(q)
         bs = meta.block_size
-        num_kv, head_dim = k.shape[1], k.shape[2]
-        for i, seq_len in enumerate(meta.seq_lens):
+        num_kv, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        for i in reqs:
+            seq_len = meta.seq_lens[i]
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            n_blocks = -(-seq_len // bs)
-            blocks = meta.block_tables[i, :n_blocks]
+            blocks = meta.block_tables[i, :-(-seq_len // bs)]
             keys = kv_cache[0, blocks].reshape(-1, num_kv, head_dim)[:seq_len]
             values = kv_cache[1, blocks].reshape(-1, num_kv, head_dim)[:seq_len]
             mask = causal_mask(end - start, seq_len, meta.sliding_window, q.device)
