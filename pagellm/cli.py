@@ -29,7 +29,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="max prompt + output tokens per request (default: the model's context)")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                    help="prefill each prompt in one step instead of in budget-sized chunks")
-    g.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off reuse of cached KV blocks for shared prompt prefixes (on by default)")
+    g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"],
+                   help="when KV blocks run out: drop and recompute, or copy blocks to host memory")
+    g.add_argument("--swap-space", default=d.swap_space, help="host memory for swapped-out KV blocks, e.g. 1GiB")
     g.add_argument("--attention-backend", default=d.attention_backend, help="attention implementation")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
@@ -79,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     from pagellm.bench.cli import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
+    from pagellm.server.launch import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args)
+    from pagellm.chat_cli import add_chat_parser
+
+    add_chat_parser(sub, add_engine_args)
     return p
 
 

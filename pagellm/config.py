@@ -114,7 +114,7 @@ def _rope_scaling(cfg: dict) -> dict | None:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         try:
@@ -156,13 +156,21 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: int | str = "256MiB"
     attention_backend: str = "reference"
     num_threads: int | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        try:
+            self.swap_space = parse_bytes(self.swap_space) if self.swap_space not in (0, "0") else 0
+        except ValueError as e:
+            raise ValueError(f"swap_space: {e}") from None
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -29,7 +29,8 @@ class Request:
     """One sequence. `num_computed_tokens` is how many of `all_token_ids` have KV in the cache."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float = 0.0):
+                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float = 0.0,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -37,11 +38,14 @@ class Request:
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time
+        self.cache_salt = cache_salt  # tenants with different salts never share prefix-cache blocks
         self.arrival_seq = next(_arrival_counter)  # tie-free priority: lower arrived earlier
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # n > 1: siblings that will fork from this request's blocks once its prompt is computed.
+        self.pending_forks: list[Request] = []
         # Per-request state that belongs to other layers (torch generator, detokenizer); opaque here.
         self.sampling_state: Any = None
 
@@ -56,6 +60,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request will occupy once its pending forks happen."""
+        return 1 + len(self.pending_forks)
 
     @property
     def is_finished(self) -> bool:

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagellm.config import SchedulerConfig
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_cache_manager import BlockCopies, KVCacheManager
 from pagellm.request import Request, RequestStatus
 
 
@@ -34,6 +34,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    block_copies: BlockCopies = field(default_factory=BlockCopies)
 
     @property
     def is_empty(self) -> bool:
@@ -43,11 +44,16 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
     num_finished: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, preemption_mode: str = "recompute"):
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        self.preemption_mode = preemption_mode
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = config.max_model_len
@@ -57,9 +63,19 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, fork_of: Request | None = None) -> None:
+        """Queue a request. With `fork_of`, it is a sibling (n > 1) that shares fork_of's prompt blocks:
+        it waits, outside the queue, until fork_of has computed the prompt, then forks from it."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if fork_of is not None:
+            if fork_of.num_seqs + 1 > self.config.max_num_seqs:
+                raise ValueError(f"n={fork_of.num_seqs + 1} parallel sequences exceed max_num_seqs="
+                                 f"{self.config.max_num_seqs}")
+            fork_of.pending_forks.append(req)
+            req.status = RequestStatus.WAITING
+            self.requests[req.request_id] = req
+            return
         limit = self.max_model_len
         if req.num_prompt_tokens >= limit:
             raise ValueError(
@@ -84,6 +100,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        for child in req.pending_forks:  # never started: they end with their leader
+            self.finish_request(child, RequestStatus.FINISHED_ABORTED)
+        req.pending_forks = []
         req.status = status
         req.stop_reason = stop_reason
         self.kv_cache.free(req)
@@ -127,17 +146,25 @@ class Scheduler:
                 i += 1
 
         # A step that had to preempt is short of memory: admitting more would only thrash.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not out.preempted:
             req = self.waiting[0]
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(req)
-            owed = req.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and owed > budget:
+            if len(self.running) + req.num_seqs > self.config.max_num_seqs:
                 break
-            num_new = min(owed, budget)
-            req.num_computed_tokens = 0
-            if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
-                break
-            req.num_computed_tokens = num_hit_tokens
+            if self.kv_cache.is_swapped(req):  # its KV comes back from host memory
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if self.kv_cache.allocate_slots(req, num_new) is None:
+                    break
+                self.stats.num_swapped_in += 1
+            else:
+                hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(req)
+                owed = req.num_tokens - num_hit_tokens
+                if not self.config.enable_chunked_prefill and owed > budget:
+                    break
+                num_new = min(owed, budget)
+                req.num_computed_tokens = 0
+                if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
+                    break
+                req.num_computed_tokens = num_hit_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival_seq)
@@ -145,11 +172,15 @@ class Scheduler:
             budget -= num_new
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.block_copies = self.kv_cache.take_copies()
         return out
 
     def _preempt(self, req: Request) -> None:
-        self.kv_cache.free(req)
-        req.num_computed_tokens = 0
+        if self.preemption_mode == "swap" and self.kv_cache.swap_out(req):
+            self.stats.num_swapped_out += 1
+        else:  # recompute (or the host pool is full): drop the KV, keep the tokens
+            self.kv_cache.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -165,6 +196,8 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_new_tokens
             self.kv_cache.cache_full_blocks(req)
+            if req.pending_forks and req.num_computed_tokens >= req.num_prompt_tokens - 1:
+                self._fork(req)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -172,6 +205,17 @@ class Scheduler:
             progressed.append(req)
             self._check_stop(req, token)
         return progressed
+
+    def _fork(self, leader: Request) -> None:
+        """Siblings share the leader's prompt blocks and recompute only the last prompt token, which
+        gives each its own logits for its first sample."""
+        n = leader.num_prompt_tokens - 1
+        for child in leader.pending_forks:
+            self.kv_cache.fork(leader, child, n)
+            child.num_computed_tokens = n
+            child.status = RequestStatus.RUNNING
+            bisect.insort(self.running, child, key=lambda r: r.arrival_seq)
+        leader.pending_forks = []
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params

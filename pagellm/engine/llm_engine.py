@@ -80,17 +80,19 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes is less than one KV block "
                              f"({self.bytes_per_block} bytes at block_size={cache.block_size})")
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        num_host_blocks = args.swap_space // self.bytes_per_block if args.preemption_mode == "swap" else 0
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
         # A sequence can never be longer than the whole cache holds, so that is a length limit too.
         sched_cfg = args.scheduler_config(min(cfg.max_position_embeddings, self.kv_cache.capacity_tokens))
         if not sched_cfg.enable_chunked_prefill:
             # Without chunking, a whole (re-)prefill must fit in one step's budget.
             sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.kv_cache)
+        self.scheduler = Scheduler(sched_cfg, self.kv_cache, args.preemption_mode)
         self.max_model_len = sched_cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, dtype, self.device,
-                                  get_attention_backend(args.attention_backend), Sampler(self.eos_token_ids))
+                                  get_attention_backend(args.attention_backend), Sampler(self.eos_token_ids),
+                                  num_host_blocks=num_host_blocks)
         self.requests: dict[str, RequestState] = {}
         self._seq_to_request: dict[str, str] = {}
         self.stats = EngineStats()
@@ -108,7 +110,7 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
@@ -116,12 +118,13 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_ids, params)
         arrival_time = arrival_time or time.time()
-        seqs = []
+        seqs: list[SequenceState] = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = params if params.n == 1 else params.child(i)
-            req = Request(seq_id, prompt_ids, child, self.eos_token_ids, arrival_time)
-            self.scheduler.add_request(req)
+            req = Request(seq_id, prompt_ids, child, self.eos_token_ids, arrival_time, cache_salt)
+            # Siblings fork from the first sequence's prompt blocks instead of prefilling again.
+            self.scheduler.add_request(req, fork_of=seqs[0].request if seqs else None)
             self._seq_to_request[seq_id] = request_id
             seqs.append(SequenceState(i, req, self.tokenizer))
         self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, seqs, arrival_time)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.core.kv_cache_manager import BlockCopies
 from pagellm.core.scheduler import SchedulerOutput
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
 from pagellm.model.sampler import Sampler, SamplingRow
@@ -20,7 +21,7 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device, backend: AttentionBackend, sampler: Sampler):
+                 device: torch.device, backend: AttentionBackend, sampler: Sampler, num_host_blocks: int = 0):
         cfg = model.config
         self.model = model
         self.device = device
@@ -31,6 +32,9 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
                           for _ in range(cfg.num_hidden_layers)]
+        # Swap space: one host tensor for all layers, [layers, 2, host_blocks, block_size, kv_heads, head_dim].
+        self.host_cache = torch.zeros((cfg.num_hidden_layers, 2, num_host_blocks, *shape[2:]), dtype=kv_dtype,
+                                      pin_memory=device.type == "cuda") if num_host_blocks else None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -62,6 +66,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Runs the step; returns a token for each request whose chunk reached its last known token."""
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
         if out.is_empty:
             return {}
         input_ids, positions, meta = self._prepare(out)
@@ -79,6 +85,22 @@ class ModelRunner:
                 result.logprobs[j] if result.logprobs is not None else None,
                 result.top_logprobs[j] if result.top_logprobs is not None else None)
         return sampled
+
+    def _copy_blocks(self, copies: BlockCopies) -> None:
+        """Swap out, swap in, then copy-on-write, all before the forward writes any new KV."""
+        if copies.swap_out:
+            dev, host = (torch.tensor(x) for x in zip(*copies.swap_out, strict=True))
+            for layer, cache in enumerate(self.kv_caches):
+                self.host_cache[layer][:, host] = cache[:, dev.to(self.device)].cpu()
+        if copies.swap_in:
+            host, dev = (torch.tensor(x) for x in zip(*copies.swap_in, strict=True))
+            dev = dev.to(self.device)
+            for layer, cache in enumerate(self.kv_caches):
+                cache[:, dev] = self.host_cache[layer][:, host].to(self.device, non_blocking=True)
+        if copies.cow:
+            src, dst = (torch.tensor(x, device=self.device) for x in zip(*copies.cow, strict=True))
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src]
 
     def _sampling_row(self, req) -> SamplingRow:
         if req.sampling_state is None and req.params.seed is not None:

@@ -1,0 +1,2 @@
+"""OpenAI-compatible HTTP server: `app` (routes), `protocol` (request bodies), `serving_*` (endpoint logic),
+`launch` (`pagellm serve`)."""

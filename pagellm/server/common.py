@@ -1,0 +1,224 @@
+"""Pieces both generation endpoints share: admission, SSE framing, client-disconnect handling, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from pagellm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineStoppedError,
+    QueueFullError,
+    RequestStream,
+    RequestTimeoutError,
+)
+from pagellm.metrics import EngineMetrics
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.server.errors import APIError, bad_request
+
+RETRY_AFTER_S = 1
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServerContext:
+    engine: AsyncLLMEngine
+    metrics: EngineMetrics
+    model_names: list[str]
+    api_key: str | None = None
+    request_timeout: float | None = None
+    created: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        """The name to echo back in responses; 404 for a model this server does not serve."""
+        if name is None or name == "":
+            return self.model_name
+        if name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"{', '.join(self.model_names)}", param="model", code="model_not_found")
+        return name
+
+    async def add_all(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
+                      prompt_param: str) -> list[RequestStream]:
+        """Admit every prompt of a request, or none of them."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(prompt, params, rid, self.request_timeout))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            raise admission_error(e, prompt_param) from None
+        return streams
+
+
+def admission_error(e: BaseException, prompt_param: str) -> BaseException:
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineStoppedError):
+        return APIError(503, str(e), code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, ValueError):
+        return bad_request(e, prompt_param)
+    return e
+
+
+def iteration_error(e: BaseException) -> APIError:
+    if isinstance(e, RequestTimeoutError):
+        return APIError(408, str(e), code="timeout")
+    return APIError(500, str(e), code="engine_error")
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                               separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    results: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in merged(streams):
+            results[i] = out
+    except (RequestTimeoutError, RuntimeError) as e:
+        raise iteration_error(e) from None
+    return results  # type: ignore[return-value]
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Run `work` but cancel it (aborting its requests) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "client closed the request", code="client_closed")
+    return task.result()
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that closes (aborts) its engine requests however the response ends, even if the
+    client leaves before the body iterator ever started."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
+
+
+def error_event(e: BaseException) -> str:
+    err = e if isinstance(e, APIError) else iteration_error(e)
+    return sse(err.body())
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def sampled_logprobs(c: CompletionOutput, start: int, end: int) -> list[tuple[int, dict[int, Logprob]]]:
+    """(sampled token id, its logprob entry) for tokens [start, end) of a sequence."""
+    if c.logprobs is None:
+        return []
+    # The engine appends to the logprobs list as it runs: bound it by this output's own token count.
+    return list(zip(c.token_ids[start:end], c.logprobs[start:end], strict=False))
+
+
+def completion_logprobs(entries: list[tuple[int, dict[int, Logprob]]], text_offset: int) -> dict:
+    """The legacy completions shape: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, entry in entries:
+        lp = entry[tid]
+        token = lp.decoded_token or ""
+        out["tokens"].append(token)
+        out["token_logprobs"].append(_lp(lp.logprob))
+        out["top_logprobs"].append({(e.decoded_token or ""): _lp(e.logprob) for e in entry.values()})
+        out["text_offset"].append(text_offset)
+        text_offset += len(token)
+    return out
+
+
+def chat_logprobs(entries: list[tuple[int, dict[int, Logprob]]], top_n: int) -> dict:
+    def item(lp: Logprob) -> dict:
+        token = lp.decoded_token or ""
+        return {"token": token, "logprob": _lp(lp.logprob), "bytes": list(token.encode())}
+
+    content = []
+    for tid, entry in entries:
+        ranked = sorted((e for e in entry.values() if e.rank is not None), key=lambda e: e.rank)
+        content.append({**item(entry[tid]), "top_logprobs": [item(e) for e in ranked[:top_n]]})
+    return {"content": content}

@@ -1,0 +1,99 @@
+"""OpenAI's error object for every failure: {"error": {"message", "type", "param", "code"}}.
+
+Whatever a client sends must map to a 4xx with a message naming the offending field; a 500 is only
+ever a bug, and even then the body is an error object, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("pagellm")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 408: "timeout_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# SamplingParams and the server raise "FIELD must be ...", "logit_bias[5] must be ...", "FIELD requires ...".
+_FIELD_RE = re.compile(r"^([A-Za-z_]\w*)(?:\[[^\]]*\])?(?: keys)? (?:must|requires)\b")
+
+
+def bad_request(error: Exception | str, default_param: str | None = None) -> APIError:
+    message = str(error)
+    m = _FIELD_RE.match(message)
+    param = m.group(1) if m else default_param
+    return APIError(400, message, param=param)
+
+
+# Fields whose type is a union: pydantic reports one error per member, so say what the field may be.
+_SHAPES = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+           "stop": "a string or a list of strings", "tokens": "a list of token ids (integers)"}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [f"[{x}]" if isinstance(x, int) else str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    if not loc:
+        if first.get("type") == "missing":
+            return APIError(400, "request body is missing: send a JSON object")
+        return APIError(400, f"request body: {first.get('msg')}")
+    # Union members add their type name to the location (prompt.str, prompt.list[int]): keep only the
+    # path a user wrote.
+    path = [p for p in loc if not re.fullmatch(r"[a-z_]+\[.*\]|str|int|float|bool|function-\w+", p)]
+    field = path[0] if path else loc[0]
+    where = ".".join(path).replace(".[", "[") or field
+    if first.get("type") == "missing":
+        return APIError(400, f"{where} is required", param=field)
+    if field in _SHAPES and len(path) <= 2:
+        return APIError(400, f"{field} must be {_SHAPES[field]}", param=field)
+    return APIError(400, f"{where}: {first.get('msg', 'invalid value')}", param=field)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = "no such endpoint" if exc.status_code == 404 else str(exc.detail)
+        return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        logger.exception("pagellm: internal error", exc_info=exc)
+        return APIError(500, f"internal server error ({type(exc).__name__})", code="internal_error").response()
