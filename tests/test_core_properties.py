@@ -21,6 +21,10 @@ def check_invariants(sched: Scheduler, kv: KVCacheManager) -> None:
         assert pool.ref_cnt[b] == held[b], f"block {b}: ref {pool.ref_cnt[b]} != {held[b]} tables"
         assert pool.is_free(b) == (pool.ref_cnt[b] == 0), f"block {b} free/held mismatch"
     assert pool.num_free + len(held) == pool.num_blocks
+    if kv.host_pool is not None:
+        host_held = Counter(b for table in kv.req_host_blocks.values() for b in table)
+        assert all(kv.host_pool.ref_cnt[b] == host_held[b] for b in range(kv.host_pool.num_blocks))
+        assert kv.host_pool.num_free + len(host_held) == kv.host_pool.num_blocks
     live = {r.request_id for r in sched.running}
     assert set(kv.req_blocks) <= live | {r.request_id for r in sched.waiting}
     for r in sched.running:
@@ -35,7 +39,7 @@ def check_invariants(sched: Scheduler, kv: KVCacheManager) -> None:
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3)),
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(1, 3)),
         st.tuples(st.just("step"), st.integers(0, 10**6)),
         st.tuples(st.just("abort"), st.integers(0, 30)),
     ),
@@ -44,23 +48,28 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]),
-       budget=st.integers(1, 48), max_seqs=st.integers(1, 6), chunked=st.booleans(), caching=st.booleans())
-def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budget, max_seqs, chunked, caching):
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+       budget=st.integers(1, 48), max_seqs=st.integers(1, 6), chunked=st.booleans(), caching=st.booleans(),
+       host_blocks=st.sampled_from([0, 2, 8, 32]))
+def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budget, max_seqs, chunked, caching,
+                                              host_blocks):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, num_host_blocks=host_blocks)
     max_len = num_blocks * block_size
     sched = Scheduler(SchedulerConfig(max_seqs, max(budget, max_len) if not chunked else budget, max_len,
-                                      chunked), kv)
+                                      chunked), kv, "swap" if host_blocks else "recompute")
     added = []
     for op in ops:
         if op[0] == "add":
-            _, n_prompt, max_tokens, prefix_family = op
-            if n_prompt >= max_len:
+            _, n_prompt, max_tokens, prefix_family, n = op
+            if n_prompt >= max_len or n > max_seqs:
                 continue
             # Prompts of one family share a prefix, so prefix caching gets hits.
             prompt = [10 + prefix_family] * (n_prompt // 2) + list(range(100, 100 + n_prompt - n_prompt // 2))
-            req = Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=max_tokens), frozenset({EOS}))
-            sched.add_request(req)
-            added.append(req)
+            leader = None
+            for _ in range(n):  # n > 1: siblings fork from the leader's prompt blocks (copy-on-write)
+                req = Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=max_tokens), frozenset({EOS}))
+                sched.add_request(req, fork_of=leader)
+                leader = leader or req
+                added.append(req)
         elif op[0] == "step":
             out = sched.schedule()
             seed = op[1]

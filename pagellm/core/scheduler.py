@@ -146,9 +146,10 @@ class Scheduler:
                 i += 1
 
         # A step that had to preempt is short of memory: admitting more would only thrash.
+        num_seqs = sum(r.num_seqs for r in self.running)  # siblings yet to fork hold their seat
         while self.waiting and budget > 0 and not out.preempted:
             req = self.waiting[0]
-            if len(self.running) + req.num_seqs > self.config.max_num_seqs:
+            if num_seqs + req.num_seqs > self.config.max_num_seqs:
                 break
             if self.kv_cache.is_swapped(req):  # its KV comes back from host memory
                 num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -166,6 +167,7 @@ class Scheduler:
                     break
                 req.num_computed_tokens = num_hit_tokens
             self.waiting.popleft()
+            num_seqs += req.num_seqs
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival_seq)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv_cache.block_table(req.request_id)))
