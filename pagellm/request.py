@@ -46,6 +46,7 @@ class Request:
         self.stop_reason: int | str | None = None
         # n > 1: siblings that will fork from this request's blocks once its prompt is computed.
         self.pending_forks: list[Request] = []
+        self.extra_seats = 0  # beam search: seats reserved for beams this request will become
         # Per-request state that belongs to other layers (torch generator, detokenizer); opaque here.
         self.sampling_state: Any = None
 
@@ -64,7 +65,7 @@ class Request:
     @property
     def num_seqs(self) -> int:
         """Sequences this request will occupy once its pending forks happen."""
-        return 1 + len(self.pending_forks)
+        return 1 + len(self.pending_forks) + self.extra_seats
 
     @property
     def is_finished(self) -> bool:
@@ -73,6 +74,14 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+    def extend(self, request_id: str, token_id: int) -> Request:
+        """A copy of this sequence plus one token, under a new id (a beam-search continuation)."""
+        child = Request(request_id, self.prompt_token_ids, self.params, self.eos_token_ids, self.arrival_time,
+                        self.cache_salt)
+        child.output_token_ids = self.output_token_ids + [token_id]
+        child.all_token_ids = self.all_token_ids + [token_id]
+        return child
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

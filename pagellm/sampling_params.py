@@ -27,6 +27,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int | None = None  # beams kept per step; None -> n
+    length_penalty: float = 1.0  # final score = sum logprob / generated_len ** length_penalty
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -72,6 +75,15 @@ class SamplingParams:
             bad("stop", "a list of non-empty strings", self.stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
+        if self.use_beam_search:
+            if self.beam_width is None:
+                self.beam_width = max(self.n, 2)
+            if not isinstance(self.beam_width, int) or self.beam_width < 1:
+                bad("beam_width", "an integer >= 1", self.beam_width)
+            if self.n > self.beam_width:
+                bad("n", f"<= beam_width ({self.beam_width}) with beam search", self.n)
+            if self.max_tokens is None:
+                bad("max_tokens", "set (an integer >= 1) with beam search", self.max_tokens)
         for tok, bias in (self.logit_bias or {}).items():
             if not -100.0 <= float(bias) <= 100.0:
                 bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)

@@ -208,6 +208,32 @@ class Scheduler:
             self._check_stop(req, token)
         return progressed
 
+    def replace_beams(self, old: list[Request], new: list[tuple[Request, Request]]) -> None:
+        """Beam search step: each new beam (child) shares its parent's computed blocks, then the old
+        beams are dropped. A parent that lost its KV to preemption gives a child that recomputes."""
+        for parent, child in new:
+            self.requests[child.request_id] = child
+            if parent.status == RequestStatus.RUNNING and parent.num_computed_tokens:
+                self.kv_cache.fork(parent, child, parent.num_computed_tokens)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = RequestStatus.RUNNING
+                bisect.insort(self.running, child, key=lambda r: r.arrival_seq)
+            else:
+                child.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(child)
+        for req in old:
+            self.drop_request(req)
+
+    def drop_request(self, req: Request) -> None:
+        """Remove a request that ends silently (a beam that was not continued)."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.kv_cache.free(req)
+        self.requests.pop(req.request_id, None)
+
     def _fork(self, leader: Request) -> None:
         """Siblings share the leader's prompt blocks and recompute only the last prompt token, which
         gives each its own logits for its first sample."""

@@ -12,6 +12,7 @@ import torch
 from pagellm.config import EngineArgs, ModelConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
+from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.output_processor import RequestState, SequenceState
 from pagellm.model.attention import get_attention_backend
 from pagellm.model.loader import iter_weights, load_config, resolve_model_path
@@ -118,6 +119,9 @@ class LLMEngine:
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_ids, params)
         arrival_time = arrival_time or time.time()
+        if params.use_beam_search:
+            self._add_beam_request(request_id, prompt_text, prompt_ids, params, arrival_time, cache_salt)
+            return request_id
         seqs: list[SequenceState] = []
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -130,6 +134,51 @@ class LLMEngine:
         self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, seqs, arrival_time)
         self.stats.prompt_tokens += len(prompt_ids)
         return request_id
+
+    def _add_beam_request(self, request_id, prompt_text, prompt_ids, params, arrival_time, cache_salt) -> None:
+        leader = Request(f"{request_id}#beam0", prompt_ids, params, self.eos_token_ids, arrival_time, cache_salt)
+        leader.extra_seats = params.beam_width - 1
+        if leader.num_seqs > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs="
+                             f"{self.scheduler.config.max_num_seqs}")
+        max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
+        group = BeamSearchGroup(request_id, params, len(prompt_ids), len(prompt_ids) + max_new,
+                                self.eos_token_ids, beams=[(leader, 0.0)])
+        self.scheduler.add_request(leader)
+        self._seq_to_request[leader.request_id] = request_id
+        self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, [], arrival_time,
+                                                 beam=group, tokenizer=self.tokenizer)
+        self.stats.prompt_tokens += len(prompt_ids)
+
+    def _advance_beams(self, sched_out, sampled) -> list[RequestState]:
+        """Record beam candidates; expand every group whose live beams all have them."""
+        by_id = {s.request.request_id: s.request for s in sched_out.scheduled}
+        ready = {}
+        for seq_id, tok in sampled.items():
+            if tok.beam_candidates is None or seq_id not in self._seq_to_request:
+                continue
+            state = self.requests[self._seq_to_request[seq_id]]
+            state.beam.record(by_id[seq_id], tok.beam_candidates)
+            if state.beam.ready():
+                ready[state.request_id] = state
+        for state in ready.values():
+            group = state.beam
+            old = [r for r, _ in group.beams]
+            nxt = group.advance()
+            for r in old:
+                self._seq_to_request.pop(r.request_id, None)
+            if not nxt:
+                for r in old:
+                    self.scheduler.drop_request(r)
+                continue
+            step = group.num_expansions
+            pairs = [(parent, parent.extend(f"{state.request_id}#beam{step}.{j}", tok))
+                     for j, (parent, tok, _) in enumerate(nxt)]
+            self.scheduler.replace_beams(old, pairs)
+            group.beams = [(child, score) for (_, child), (_, _, score) in zip(pairs, nxt, strict=True)]
+            for _, child in pairs:
+                self._seq_to_request[child.request_id] = state.request_id
+        return list(ready.values())
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -162,9 +211,10 @@ class LLMEngine:
             state = self.requests.pop(rid, None)
             if state is None:
                 continue
-            self.scheduler.abort_requests([s.request.request_id for s in state.seqs])
-            for s in state.seqs:
-                self._seq_to_request.pop(s.request.request_id, None)
+            live = state.live_requests
+            self.scheduler.abort_requests([r.request_id for r in live])
+            for r in live:
+                self._seq_to_request.pop(r.request_id, None)
             self._count_finished(RequestStatus.FINISHED_ABORTED.value)
 
     def has_unfinished_requests(self) -> bool:
@@ -177,9 +227,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
         sampled = self.runner.execute(sched_out)
-        progressed = self.scheduler.update(sched_out, {rid: t.token_id for rid, t in sampled.items()})
+        progressed = self.scheduler.update(
+            sched_out, {rid: t.token_id for rid, t in sampled.items() if t.token_id is not None})
         self.stats.steps += 1
         touched: dict[str, RequestState] = {}
+        for state in self._advance_beams(sched_out, sampled):
+            touched[state.request_id] = state
         now = time.time()
         for req in progressed:
             rid = self._seq_to_request[req.request_id]
@@ -203,9 +256,14 @@ class LLMEngine:
 
     def _finish(self, rid: str, state: RequestState) -> None:
         del self.requests[rid]
-        for s in state.seqs:
-            self._seq_to_request.pop(s.request.request_id, None)
-        self._count_finished(state.seqs[0].request.finish_reason or "abort")
+        for r in state.live_requests:
+            self._seq_to_request.pop(r.request_id, None)
+        if state.beam is not None:
+            outs = state.output().outputs
+            self.stats.generation_tokens += sum(len(c.token_ids) for c in outs)
+            self._count_finished(outs[0].finish_reason if outs else "abort")
+        else:
+            self._count_finished(state.seqs[0].request.finish_reason or "abort")
 
     def _count_finished(self, reason: str) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

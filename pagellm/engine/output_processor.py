@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -67,21 +68,47 @@ class SequenceState:
 
 
 class RequestState:
-    """A user request: its prompt and the n sequences generated for it."""
+    """A user request: its prompt and the n sequences generated for it (or its beam-search group)."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 seqs: list[SequenceState], arrival_time: float):
+                 seqs: list[SequenceState], arrival_time: float, beam: BeamSearchGroup | None = None,
+                 tokenizer: Tokenizer | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.seqs = seqs
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        self.beam = beam
+        self.tokenizer = tokenizer
+
+    @property
+    def live_requests(self) -> list[Request]:
+        if self.beam is not None:
+            return [r for r, _ in self.beam.beams]
+        return [s.request for s in self.seqs]
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.request.is_finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
+        if self.beam is not None:
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self._beam_outputs(),
+                                 self.finished)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output() for s in self.seqs], self.finished)
+
+    def _beam_outputs(self) -> list[CompletionOutput]:
+        if not self.beam.done:
+            return []
+        p = self.beam.params
+        outs = []
+        for i, h in enumerate(self.beam.best(p.n)):
+            ended_on_eos = bool(h.token_ids) and h.token_ids[-1] in self.beam.eos_token_ids and not p.ignore_eos
+            outs.append(CompletionOutput(
+                i, self.tokenizer.decode(h.token_ids, skip_special_tokens=p.skip_special_tokens), h.token_ids,
+                cumulative_logprob=h.cumulative_logprob, finish_reason="stop" if ended_on_eos else "length"))
+        return outs

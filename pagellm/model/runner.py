@@ -8,15 +8,17 @@ import torch
 
 from pagellm.core.kv_cache_manager import BlockCopies
 from pagellm.core.scheduler import SchedulerOutput
+from pagellm.engine.beam_search import beams_to_keep
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
 from pagellm.model.sampler import Sampler, SamplingRow
 
 
 @dataclass
 class SampledToken:
-    token_id: int
+    token_id: int | None  # None for a beam-search row, which returns candidates instead
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    beam_candidates: list[tuple[int, float]] | None = None  # (token, logprob), best first
 
 
 class ModelRunner:
@@ -77,14 +79,30 @@ class ModelRunner:
             return {}
         rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        result = self.sampler(logits, [self._sampling_row(req) for _, req in sampling])
         sampled = {}
+        beam = [j for j, (_, req) in enumerate(sampling) if req.params.use_beam_search]
+        if beam:
+            sampled.update(self._beam_candidates(logits, [sampling[j][1] for j in beam], beam))
+            if len(beam) == len(sampling):
+                return sampled
+            keep = [j for j in range(len(sampling)) if j not in set(beam)]
+            logits = logits[keep]
+            sampling = [sampling[j] for j in keep]
+        result = self.sampler(logits, [self._sampling_row(req) for _, req in sampling])
         for j, (_, req) in enumerate(sampling):
             sampled[req.request_id] = SampledToken(
                 result.token_ids[j],
                 result.logprobs[j] if result.logprobs is not None else None,
                 result.top_logprobs[j] if result.top_logprobs is not None else None)
         return sampled
+
+    def _beam_candidates(self, logits, reqs, rows) -> dict[str, SampledToken]:
+        logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+        n = max(beams_to_keep(r.params, len(self.sampler.eos_token_ids)) for r in reqs)
+        values, ids = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)
+        return {r.request_id: SampledToken(None, beam_candidates=list(zip(ids[i].tolist(), values[i].tolist(),
+                                                                          strict=True)))
+                for i, r in enumerate(reqs)}
 
     def _copy_blocks(self, copies: BlockCopies) -> None:
         """Swap out, swap in, then copy-on-write, all before the forward writes any new KV."""

@@ -1,0 +1,96 @@
+"""Beam search in the engine equals transformers' generate(num_beams=k, do_sample=False)."""
+
+import json
+import os
+import random
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_model):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_hf_model("llama")
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_beams(model, prompt, k, max_new, length_penalty, eos):
+    out = model.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=k, do_sample=False,
+                         max_new_tokens=max_new, length_penalty=length_penalty, eos_token_id=eos, pad_token_id=0,
+                         early_stopping=False)
+    return [r[len(prompt):].tolist() for r in out]
+
+
+def assert_same_beams(ours, refs, pad=0):
+    for o, r in zip(ours, refs, strict=True):
+        assert r[:len(o)] == o
+        assert all(t == pad for t in r[len(o):]), "transformers' longer tail must be padding only"
+
+
+@pytest.mark.parametrize("k,length_penalty", [(2, 1.0), (4, 1.0), (3, 0.0), (4, 2.0)])
+def test_beams_match_transformers_without_eos(tiny, smollm_gguf_path, k, length_penalty):
+    path, model = tiny
+    llm = LLM(path, tokenizer=smollm_gguf_path, block_size=4, kv_cache_memory="4MiB")
+    rng = random.Random(k)
+    prompt = [rng.randrange(3, 512) for _ in range(rng.randint(3, 20))]
+    params = SamplingParams(use_beam_search=True, beam_width=k, n=k, max_tokens=10, ignore_eos=True,
+                            length_penalty=length_penalty)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == hf_beams(model, prompt, k, 10, length_penalty, None)
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free == kv.num_blocks and kv.num_cow_copies > 0
+
+
+def test_beams_match_transformers_with_eos(tiny, smollm_gguf_path, tmp_path):
+    path, model = tiny
+    # Make a token the model likes the EOS token, so beams really finish early.
+    greedy = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, 4:].tolist()
+    eos = Counter(greedy).most_common(1)[0][0]
+    eos_dir = tmp_path / "eos-model"
+    shutil.copytree(path, eos_dir)
+    cfg = json.loads((eos_dir / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (eos_dir / "config.json").write_text(json.dumps(cfg))
+    if os.path.exists(eos_dir / "generation_config.json"):
+        os.remove(eos_dir / "generation_config.json")
+    llm = LLM(str(eos_dir), tokenizer=smollm_gguf_path, block_size=4, kv_cache_memory="4MiB")
+    eos_ids = sorted(llm.engine.eos_token_ids)
+    stopped = 0
+    for k, lp in ((2, 1.0), (3, 0.5)):
+        for prompt in ([5, 6, 7, 8], [40, 41, 300, 7, 9]):
+            out = llm.generate([prompt], SamplingParams(use_beam_search=True, beam_width=k, n=k, max_tokens=15,
+                                                        length_penalty=lp), use_tqdm=False)[0]
+            # transformers pads finished beams with eos_token_id[0] (its pad id 0 is falsy there).
+            assert_same_beams([c.token_ids for c in out.outputs], hf_beams(model, prompt, k, 15, lp, eos_ids),
+                              pad=eos_ids[0])
+            stopped += sum(c.finish_reason == "stop" for c in out.outputs)
+    assert stopped > 0, "no beam ended on EOS: the test would not exercise finished hypotheses"
+
+
+def test_beam_search_in_a_mixed_batch_and_under_preemption(tiny, smollm_gguf_path):
+    path, model = tiny
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    params = SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=12, ignore_eos=True)
+    expected = hf_beams(model, prompt, 3, 12, 1.0, None)[:2]
+    rng = random.Random(1)
+    others = [[rng.randrange(3, 512) for _ in range(40)] for _ in range(6)]
+    # 14 blocks of 4 tokens: the batch does not fit, so beams and others get preempted and resume.
+    llm = LLM(path, tokenizer=smollm_gguf_path, block_size=4, kv_cache_memory=14 * 2 * 2 * 2 * 16 * 4 * 4)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([prompt] + others, [params] + [greedy] * 6, use_tqdm=False)
+    assert [c.token_ids for c in outs[0].outputs] == expected
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free == kv.num_blocks
+
+
+def test_beam_params_are_validated():
+    with pytest.raises(ValueError, match="^n must be <= beam_width"):
+        SamplingParams(use_beam_search=True, beam_width=2, n=3)
