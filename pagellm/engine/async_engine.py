@@ -67,6 +67,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     arrival_time: float
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -169,7 +170,7 @@ class AsyncLLMEngine:
 
     # ---- requests (event loop thread) ----------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                          timeout: float | None = None) -> RequestStream:
+                          timeout: float | None = None, cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it (ValueError if it is invalid)."""
         if not self._accepting or not self.is_running:
             raise EngineStoppedError("the server is shutting down and accepts no new requests")
@@ -182,7 +183,7 @@ class AsyncLLMEngine:
         stream = RequestStream(self, rid, params.n, now, now + timeout if timeout else None)
         self._streams[rid] = stream
         with self._lock:
-            self._adds.append(_Add(rid, prompt, params, now))
+            self._adds.append(_Add(rid, prompt, params, now, cache_salt))
         self._wakeup.set()
         try:
             await stream.accepted
@@ -220,15 +221,16 @@ class AsyncLLMEngine:
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline and not give_up() and self.is_running:
             await asyncio.sleep(0.05)
-        left = list(self._streams.values())
-        for stream in left:
+        aborted = 0
+        for stream in list(self._streams.values()):
+            aborted += not stream.finished
             if not stream.accepted.done():
                 stream.accepted.set_exception(EngineStoppedError("the server is shutting down"))
             elif not stream.finished:
                 stream.queue.put_nowait(stream.final_abort_output())
             self._release(stream)
-        if left:
-            logger.info("pagellm: aborted %d in-flight request(s) at shutdown", len(left))
+        if aborted:
+            logger.info("aborted %d in-flight request(s) at shutdown", aborted)
 
     async def stop(self) -> None:
         await self.drain(0.0)
@@ -249,16 +251,13 @@ class AsyncLLMEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            self._expire_deadlines()
             try:
-                result = await asyncio.to_thread(self._step_sync)
+                self._expire_deadlines()
+                self._dispatch(await asyncio.to_thread(self._step_sync))
             except Exception as e:
                 # Keep serving: fail what was in flight (a bad step must not take the server down).
-                logger.exception("pagellm: engine step failed; aborting %d in-flight request(s)",
-                                 len(self._streams))
+                logger.exception("engine step failed; aborting %d in-flight request(s)", len(self._streams))
                 self._fail_all(e)
-                continue
-            self._dispatch(result)
 
     def _expire_deadlines(self) -> None:
         now = time.time()
@@ -289,7 +288,7 @@ class AsyncLLMEngine:
             if a.request_id in aborts:  # the client left before its request ever reached the engine
                 continue
             try:
-                eng.add_request(a.request_id, a.prompt, a.params, a.arrival_time)
+                eng.add_request(a.request_id, a.prompt, a.params, a.arrival_time, a.cache_salt)
             except Exception as e:
                 added[a.request_id] = e
                 continue

@@ -50,13 +50,14 @@ class ServerContext:
         return name
 
     async def add_all(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
-                      prompt_param: str) -> list[RequestStream]:
+                      prompt_param: str, cache_salt: str | None = None) -> list[RequestStream]:
         """Admit every prompt of a request, or none of them."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(prompt, params, rid, self.request_timeout))
+                streams.append(await self.engine.add_request(prompt, params, rid, self.request_timeout,
+                                                             cache_salt))
         except BaseException as e:
             for s in streams:
                 s.close()

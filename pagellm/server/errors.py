@@ -95,5 +95,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception):
-        logger.exception("pagellm: internal error", exc_info=exc)
+        logger.exception("internal error", exc_info=exc)
         return APIError(500, f"internal server error ({type(exc).__name__})", code="internal_error").response()

@@ -47,13 +47,13 @@ class GracefulServer(uvicorn.Server):
         if self.started and self.servers:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             host = f"[{host}]" if ":" in host else host
-            logger.info("pagellm: ready: serving %s at http://%s:%d%s", self.model_name, host, port, "/v1")
+            logger.info("ready: serving %s at http://%s:%d/v1", self.model_name, host, port)
 
     async def shutdown(self, sockets=None) -> None:
         # Stop accepting first, then give in-flight requests their grace period; uvicorn's own shutdown
         # then only waits for the (now final) responses to flush.
         for server in self.servers:
             server.close()
-        logger.info("pagellm: shutting down: %d request(s) in flight", self.engine.num_in_flight)
+        logger.info("shutting down: %d request(s) in flight", self.engine.num_in_flight)
         await self.engine.drain(self.shutdown_timeout, give_up=lambda: self.force_exit)
         await super().shutdown(sockets)

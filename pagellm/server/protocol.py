@@ -47,6 +47,7 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
 
     @property
     def include_usage(self) -> bool:

@@ -54,7 +54,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise bad_request(msg) from None
     prompt_ids = render_chat(ctx, body.messages, body.add_generation_prompt)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await ctx.add_all([prompt_ids], params, rid, "messages")
+    streams = await ctx.add_all([prompt_ids], params, rid, "messages", body.cache_salt)
     created = now_s()
     if body.stream:
         return EngineStreamingResponse(_stream(body, streams, rid, created, model), streams)

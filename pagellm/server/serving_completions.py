@@ -41,7 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     except ValueError as e:
         raise bad_request(e, "prompt") from None
     rid = f"cmpl-{uuid.uuid4().hex}"
-    streams = await ctx.add_all(prompts, params, rid, "prompt")
+    streams = await ctx.add_all(prompts, params, rid, "prompt", body.cache_salt)
     created = now_s()
     if body.stream:
         return EngineStreamingResponse(_stream(body, streams, rid, created, model, ctx), streams)

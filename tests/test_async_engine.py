@@ -1,0 +1,155 @@
+"""AsyncLLMEngine on a tiny random Llama: concurrent requests, aborts, timeouts, queue limit, drain."""
+
+import asyncio
+import contextlib
+
+import pytest
+
+from pagellm import SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestTimeoutError
+from pagellm.engine.llm_engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf_model, smollm_gguf_path):
+    path = tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
+    return LLMEngine(EngineArgs(model=path, tokenizer=smollm_gguf_path, kv_cache_memory="8MiB"))
+
+
+def run(engine, body, **kw):
+    """Run body(async_engine) with a started AsyncLLMEngine; check every block is free afterwards."""
+
+    async def main():
+        ae = AsyncLLMEngine(engine, **kw)
+        await ae.start()
+        try:
+            return await body(ae)
+        finally:
+            await ae.stop()
+
+    result = asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.usage() == 0.0
+    return result
+
+
+def sync_greedy(engine, prompt, params=GREEDY):
+    rid = engine.add_request(None, prompt, params)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out.outputs[0].token_ids
+
+
+async def collect(ae, prompt, params=GREEDY, **kw):
+    last = None
+    async for out in ae.generate(prompt, params, **kw):
+        last = out
+    return last
+
+
+PROMPTS = [[5 + i, 17, 300 + 7 * i, 42, 9] * (i + 1) for i in range(8)]
+
+
+def test_concurrent_requests_match_the_sync_engine(engine):
+    expected = [sync_greedy(engine, p) for p in PROMPTS]
+
+    async def body(ae):
+        return await asyncio.gather(*(collect(ae, p) for p in PROMPTS))
+
+    outs = run(engine, body)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_a_consumer_that_stops_reading_aborts_its_request(engine):
+    async def body(ae):
+        gen = ae.generate(PROMPTS[0], LONG)
+        async with contextlib.aclosing(gen):
+            seen = 0
+            async for _ in gen:
+                seen += 1
+                if seen == 3:
+                    break
+        for _ in range(100):  # the abort lands between steps
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        return ae.snapshot
+
+    snap = run(engine, body)
+    assert snap.num_running == 0 and snap.kv_cache_usage == 0.0
+    assert snap.finished.get("abort", 0) >= 1
+
+
+def test_cancelled_task_aborts_its_request(engine):
+    async def body(ae):
+        task = asyncio.ensure_future(collect(ae, PROMPTS[1], LONG))
+        while not engine.has_unfinished_requests():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert run(engine, body)
+
+
+def test_invalid_requests_raise_at_admission(engine):
+    async def body(ae):
+        with pytest.raises(ValueError, match="max_model_len"):
+            await ae.add_request(list(range(3, 1100)), GREEDY)
+        with pytest.raises(ValueError, match="out of range"):
+            await ae.add_request([10**7], GREEDY)
+        return await collect(ae, PROMPTS[2])  # the loop still serves
+
+    assert run(engine, body).finished
+
+
+def test_timeout_aborts_and_raises(engine):
+    async def body(ae):
+        with pytest.raises(RequestTimeoutError, match="timed out"):
+            await collect(ae, PROMPTS[3], LONG, timeout=0.2)
+
+    run(engine, body)
+
+
+def test_queue_limit(engine, monkeypatch):
+    monkeypatch.setattr(engine.scheduler.config, "max_num_seqs", 1)
+
+    async def body(ae):
+        running = await ae.add_request(PROMPTS[0], LONG)
+        while engine.scheduler.num_running == 0:
+            await asyncio.sleep(0.005)
+        waiting = await ae.add_request(PROMPTS[1], LONG)  # max_num_seqs=1: it has to wait
+        with pytest.raises(QueueFullError, match="full"):
+            await ae.add_request(PROMPTS[2], GREEDY)
+        running.close()
+        waiting.close()
+
+    run(engine, body, max_queue_len=1)
+
+
+def test_drain_finishes_short_requests_and_aborts_long_ones(engine):
+    async def body(ae):
+        short = asyncio.ensure_future(collect(ae, PROMPTS[4], SamplingParams(temperature=0, max_tokens=2)))
+        long = asyncio.ensure_future(collect(ae, PROMPTS[5], LONG))
+        while engine.get_num_unfinished_requests() < 2:
+            await asyncio.sleep(0.005)
+        await ae.drain(0.3)
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await ae.add_request(PROMPTS[6], GREEDY)
+        return await short, await long
+
+    short, long = run(engine, body)
+    assert short.outputs[0].finish_reason == "length"
+    assert long.finished and long.outputs[0].finish_reason == "abort"
+    assert 0 < len(long.outputs[0].token_ids) < 900
