@@ -34,6 +34,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"],
                    help="when KV blocks run out: drop and recompute, or copy blocks to host memory")
     g.add_argument("--swap-space", default=d.swap_space, help="host memory for swapped-out KV blocks, e.g. 1GiB")
+    g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: n-gram prompt lookup or a draft model")
+    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="tokens proposed per step (default 4)")
+    g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="shortest n-gram to look up")
+    g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest n-gram to look up")
+    g.add_argument("--draft-model", default=None, help="draft model (.gguf or HF dir) with the same vocabulary")
+    g.add_argument("--draft-kv-cache-memory", default=d.draft_kv_cache_memory,
+                   help="bytes for the draft model's KV cache")
     g.add_argument("--attention-backend", default=d.attention_backend, help="attention implementation")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 

@@ -47,6 +47,9 @@ class Request:
         # n > 1: siblings that will fork from this request's blocks once its prompt is computed.
         self.pending_forks: list[Request] = []
         self.extra_seats = 0  # beam search: seats reserved for beams this request will become
+        # Speculative decoding: proposed next tokens (and the draft model's distributions for them).
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: Any = None
         # Per-request state that belongs to other layers (torch generator, detokenizer); opaque here.
         self.sampling_state: Any = None
 
@@ -82,6 +85,10 @@ class Request:
         child.output_token_ids = self.output_token_ids + [token_id]
         child.all_token_ids = self.all_token_ids + [token_id]
         return child
+
+    def clear_spec(self) -> None:
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

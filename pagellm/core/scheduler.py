@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import BlockCopies, KVCacheManager
@@ -20,8 +21,10 @@ from pagellm.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # includes the speculative drafts below
     block_ids: list[int]  # the request's whole block table (shared list, read-only for the runner)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step
+    draft_probs: Any = None  # the draft model's distributions for them (None: a point-mass proposer)
 
     @property
     def samples(self) -> bool:
@@ -47,6 +50,8 @@ class SchedulerStats:
     num_swapped_out: int = 0
     num_swapped_in: int = 0
     num_finished: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -129,7 +134,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            owed = req.num_tokens - req.num_computed_tokens
+            spec = req.spec_token_ids if owed == 1 else []  # drafts only extend a caught-up sequence
+            num_new = min(owed + len(spec), budget)
+            spec = spec[:max(0, num_new - owed)]
             if num_new <= 0:  # nothing owed (cannot normally happen); skip rather than spin
                 i += 1
                 continue
@@ -140,7 +148,10 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new, self.kv_cache.block_table(req.request_id)))
+                probs = req.spec_draft_probs[:len(spec)] if spec and req.spec_draft_probs is not None else None
+                out.scheduled.append(ScheduledRequest(req, num_new, self.kv_cache.block_table(req.request_id),
+                                                      list(spec), probs))
+                self.stats.num_draft_tokens += len(spec)
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
                 i += 1
@@ -178,6 +189,7 @@ class Scheduler:
         return out
 
     def _preempt(self, req: Request) -> None:
+        req.clear_spec()
         if self.preemption_mode == "swap" and self.kv_cache.swap_out(req):
             self.stats.num_swapped_out += 1
         else:  # recompute (or the host pool is full): drop the KV, keep the tokens
@@ -188,24 +200,32 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, apply stop rules. Returns the requests
-        that got a new token this step (finished ones included)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens (with speculation: the accepted drafts plus
+        one), apply stop rules. Returns the requests that got tokens this step (finished ones included)."""
         progressed = []
         for s in out.scheduled:
             req = s.request
+            req.clear_spec()
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_new_tokens
+            tokens = sampled.get(req.request_id)
+            tokens = [tokens] if isinstance(tokens, int) else tokens or []
+            rejected = len(s.spec_token_ids) - max(len(tokens) - 1, 0)
+            self.stats.num_accepted_tokens += len(s.spec_token_ids) - rejected
+            # Rejected drafts' KV stays in its slots, beyond num_computed_tokens: it is overwritten, never read.
+            req.num_computed_tokens += s.num_new_tokens - rejected
             self.kv_cache.cache_full_blocks(req)
             if req.pending_forks and req.num_computed_tokens >= req.num_prompt_tokens - 1:
                 self._fork(req)
-            token = sampled.get(req.request_id)
-            if token is None:
+            if not tokens:
                 continue
-            req.append_token(token)
             progressed.append(req)
-            self._check_stop(req, token)
+            for token in tokens:
+                req.append_token(token)
+                self._check_stop(req, token)
+                if req.is_finished:  # e.g. max_tokens reached inside an accepted run: drop the rest
+                    break
         return progressed
 
     def replace_beams(self, old: list[Request], new: list[tuple[Request, Request]]) -> None:

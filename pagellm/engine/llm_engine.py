@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.config import EngineArgs, ModelConfig
+from pagellm.config import EngineArgs, ModelConfig, parse_bytes
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import BeamSearchGroup
@@ -22,6 +22,7 @@ from pagellm.model.sampler import Sampler
 from pagellm.outputs import RequestOutput
 from pagellm.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode.proposers import DraftModelProposer, NgramProposer
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagellm")
@@ -55,6 +56,30 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
+
+
+def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRunner, cfg: ModelConfig, device):
+    if args.speculative_method is None:
+        return None
+    if args.speculative_method == "ngram":
+        return NgramProposer(args.num_speculative_tokens, max_model_len, args.ngram_min, args.ngram_max)
+    if not args.draft_model:
+        raise ValueError("speculative_method='draft' needs draft_model (a .gguf file or HF directory)")
+    path = resolve_model_path(args.draft_model)
+    draft_cfg = load_config(path)
+    if draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs from the target's "
+                         f"({cfg.vocab_size})")
+    dtype = _DTYPES[args.dtype]
+    draft = load_model(path, draft_cfg, dtype, device)
+    bytes_per_block = (2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * draft_cfg.head_dim
+                       * args.block_size * torch.finfo(dtype).bits // 8)
+    num_blocks = parse_bytes(args.draft_kv_cache_memory) // bytes_per_block
+    runner = ModelRunner(draft, num_blocks, args.block_size, dtype, device, target_runner.backend,
+                         target_runner.sampler)
+    logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
+    return DraftModelProposer(runner, KVCacheManager(num_blocks, args.block_size), args.num_speculative_tokens,
+                              max_model_len)
 
 
 class LLMEngine:
@@ -94,6 +119,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, dtype, self.device,
                                   get_attention_backend(args.attention_backend), Sampler(self.eos_token_ids),
                                   num_host_blocks=num_host_blocks)
+        self.proposer = build_proposer(args, self.max_model_len, self.runner, self.model_config, self.device)
         self.requests: dict[str, RequestState] = {}
         self._seq_to_request: dict[str, str] = {}
         self.stats = EngineStats()
@@ -225,10 +251,14 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         sched_out = self.scheduler.schedule()
         sampled = self.runner.execute(sched_out)
+        before = {s.request.request_id: s.request.num_output_tokens for s in sched_out.scheduled}
         progressed = self.scheduler.update(
-            sched_out, {rid: t.token_id for rid, t in sampled.items() if t.token_id is not None})
+            sched_out, {rid: [t.token_id for t in tok.tokens] for rid, tok in sampled.items()
+                        if tok.token_id is not None})
         self.stats.steps += 1
         touched: dict[str, RequestState] = {}
         for state in self._advance_beams(sched_out, sampled):
@@ -237,13 +267,17 @@ class LLMEngine:
         for req in progressed:
             rid = self._seq_to_request[req.request_id]
             state = self.requests[rid]
-            seq = state.seqs[0] if len(state.seqs) == 1 else next(
-                s for s in state.seqs if s.request is req)
-            tok = sampled[req.request_id]
-            stop = seq.add_token(tok.token_id, tok.logprob, tok.top_logprobs)
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-            self.stats.generation_tokens += 1
+            seq = state.seqs[0] if len(state.seqs) == 1 else next(s for s in state.seqs if s.request is req)
+            infos = sampled[req.request_id].tokens
+            start = before[req.request_id]
+            for j, token in enumerate(req.output_token_ids[start:]):
+                stop = seq.add_token(token, infos[j].logprob, infos[j].top_logprobs)
+                self.stats.generation_tokens += 1
+                if stop is not None:
+                    del req.output_token_ids[start + j + 1:]  # accepted drafts after a stop string
+                    if not req.is_finished:
+                        self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                    break
             if state.first_token_time is None:
                 state.first_token_time = now
             touched[rid] = state

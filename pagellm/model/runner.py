@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagellm.core.kv_cache_manager import BlockCopies
-from pagellm.core.scheduler import SchedulerOutput
+from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagellm.engine.beam_search import beams_to_keep
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
-from pagellm.model.sampler import Sampler, SamplingRow
+from pagellm.model.sampler import Sampler, SamplingRow, sampling_probs
+from pagellm.spec_decode.rejection import verify, verify_greedy
 
 
 @dataclass
@@ -19,6 +20,11 @@ class SampledToken:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     beam_candidates: list[tuple[int, float]] | None = None  # (token, logprob), best first
+    accepted: list[SampledToken] = field(default_factory=list)  # verified draft tokens before this one
+
+    @property
+    def tokens(self) -> list[SampledToken]:
+        return [*self.accepted, self]
 
 
 class ModelRunner:
@@ -48,6 +54,7 @@ class ModelRunner:
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
             ids.extend(s.request.all_token_ids[start:end])
+            ids.extend(s.spec_token_ids)  # drafts to verify sit after the known tokens
             positions.extend(range(start, end))
             starts.append(starts[-1] + s.num_new_tokens)
             seq_lens.append(end)
@@ -66,35 +73,91 @@ class ModelRunner:
         return input_ids, pos.to(self.device), meta
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Runs the step; returns a token for each request whose chunk reached its last known token."""
+    def forward_logits(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """One forward over the step's batch; logits [rows, vocab] for the requests that sample, in
+        batch order, 1 + len(spec_token_ids) rows each (the positions that score drafts, then the next)."""
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         if out.is_empty:
-            return {}
+            return [], torch.empty(0)
         input_ids, positions, meta = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        sampling = [(i, s.request) for i, s in enumerate(out.scheduled) if s.samples]
-        if not sampling:
+        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.samples]
+        rows = [r for i, s in sampling
+                for r in range(meta.query_start_loc[i + 1] - 1 - len(s.spec_token_ids), meta.query_start_loc[i + 1])]
+        if not rows:
+            return [], torch.empty(0)
+        hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
+        return [s for _, s in sampling], self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Runs the step; returns a token for each request whose chunk reached its last known token."""
+        scheduled, logits = self.forward_logits(out)
+        if not scheduled:
             return {}
-        rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
         sampled = {}
-        beam = [j for j, (_, req) in enumerate(sampling) if req.params.use_beam_search]
-        if beam:
-            sampled.update(self._beam_candidates(logits, [sampling[j][1] for j in beam], beam))
-            if len(beam) == len(sampling):
+        if any(s.spec_token_ids for s in scheduled):
+            sampled.update(self._verify(scheduled, logits))
+            plain = [j for j, s in enumerate(_row_owner(scheduled)) if not s.spec_token_ids]
+            scheduled = [s for s in scheduled if not s.spec_token_ids]
+            if not scheduled:
                 return sampled
-            keep = [j for j in range(len(sampling)) if j not in set(beam)]
+            logits = logits[plain]
+        reqs = [s.request for s in scheduled]
+        beam = [j for j, req in enumerate(reqs) if req.params.use_beam_search]
+        if beam:
+            sampled.update(self._beam_candidates(logits, [reqs[j] for j in beam], beam))
+            if len(beam) == len(reqs):
+                return sampled
+            keep = [j for j in range(len(reqs)) if j not in set(beam)]
             logits = logits[keep]
-            sampling = [sampling[j] for j in keep]
-        result = self.sampler(logits, [self._sampling_row(req) for _, req in sampling])
-        for j, (_, req) in enumerate(sampling):
+            reqs = [reqs[j] for j in keep]
+        result = self.sampler(logits, [self._sampling_row(req) for req in reqs])
+        for j, req in enumerate(reqs):
             sampled[req.request_id] = SampledToken(
                 result.token_ids[j],
                 result.logprobs[j] if result.logprobs is not None else None,
                 result.top_logprobs[j] if result.top_logprobs is not None else None)
         return sampled
+
+    def _verify(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
+        """Rejection-sample each speculating request's drafts against its k + 1 rows of target logits."""
+        out, row = {}, 0
+        for s in scheduled:
+            n = 1 + len(s.spec_token_ids)
+            if not s.spec_token_ids:
+                row += n
+                continue
+            req, spec = s.request, s.spec_token_ids
+            x = logits[row:row + n]
+            row += n
+            base = self._sampling_row(req)
+            rows = [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + spec[:j], base.generator)
+                    for j in range(n)]
+            processed = self.sampler.process(x, rows)
+            if req.params.greedy:
+                tokens = verify_greedy(processed.argmax(dim=-1).tolist(), spec)
+            else:
+                draft_probs = s.draft_probs.to(self.device) if s.draft_probs is not None else None
+                tokens = verify(sampling_probs(processed, rows), spec, draft_probs, base.generator)
+            out[req.request_id] = self._with_logprobs(req, x, tokens)
+        return out
+
+    def _with_logprobs(self, req, logits: torch.Tensor, tokens: list[int]) -> SampledToken:
+        want = req.params.logprobs
+        if want is None:
+            results = [SampledToken(t) for t in tokens]
+        else:
+            lp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+            top = lp.topk(want, dim=-1) if want else None
+            results = [SampledToken(t, float(lp[j, t]),
+                                    list(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
+                                    if top is not None else [])
+                       for j, t in enumerate(tokens)]
+        last = results[-1]
+        last.accepted = results[:-1]
+        return last
 
     def _beam_candidates(self, logits, reqs, rows) -> dict[str, SampledToken]:
         logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
@@ -124,3 +187,8 @@ class ModelRunner:
         if req.sampling_state is None and req.params.seed is not None:
             req.sampling_state = torch.Generator(device=self.device).manual_seed(req.params.seed)
         return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_state)
+
+
+def _row_owner(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The scheduled request each logits row belongs to."""
+    return [s for s in scheduled for _ in range(1 + len(s.spec_token_ids))]

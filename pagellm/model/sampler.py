@@ -227,6 +227,13 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 
 def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Random rows only: temperature, top-k, top-p, min-p, then argmax(probs / Exp(1)) ~ Categorical."""
+    probs = sampling_probs(x, rows)
+    return probs.div_(_exponential_noise(probs, rows)).argmax(dim=-1)
+
+
+def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution random rows sample from: processed logits (modified in place) through temperature,
+    top-k, top-p and min-p. Speculative decoding's rejection sampler compares these."""
     vocab = x.shape[1]
     dev = x.device
     params = [r.params for r in rows]
@@ -238,8 +245,7 @@ def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     if any(p.min_p > 0.0 for p in params):
         _apply_min_p(x, torch.tensor([p.min_p for p in params], device=dev))
 
-    probs = x.softmax(dim=-1)
-    return probs.div_(_exponential_noise(probs, rows)).argmax(dim=-1)
+    return x.softmax(dim=-1)
 
 
 def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[TopLogprobs | None]:

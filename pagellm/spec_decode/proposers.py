@@ -1,0 +1,136 @@
+"""Proposers fill `request.spec_token_ids` for requests that are decoding, before the step is scheduled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagellm.model.sampler import SamplingRow, sampling_probs
+from pagellm.request import Request
+from pagellm.spec_decode.ngram import propose_ngram
+
+
+class Proposer:
+    def __init__(self, num_speculative_tokens: int, max_model_len: int):
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+
+    def budget(self, req: Request) -> int:
+        """Drafts worth proposing: the step adds accepted drafts + 1, which must respect max_tokens and
+        max_model_len; beam search and unfinished prefills don't speculate."""
+        p = req.params
+        if p.use_beam_search or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        room = self.max_model_len - req.num_tokens - 1
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        return max(0, min(self.k, room))
+
+    def propose(self, running: list[Request]) -> None:
+        raise NotImplementedError
+
+
+class NgramProposer(Proposer):
+    def __init__(self, num_speculative_tokens: int, max_model_len: int, n_min: int, n_max: int):
+        super().__init__(num_speculative_tokens, max_model_len)
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"ngram_min must be in [1, ngram_max={n_max}], got {n_min}")
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose(self, running: list[Request]) -> None:
+        for req in running:
+            k = self.budget(req)
+            req.spec_token_ids = propose_ngram(req.all_token_ids, k, self.n_min, self.n_max) if k else []
+
+
+@dataclass
+class _DraftSeq:
+    """The draft model's view of a request: the same tokens plus drafts, and its own KV progress."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    generator: torch.Generator | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class DraftModelProposer(Proposer):
+    """A smaller model with the same vocabulary drafts k tokens autoregressively, in its own paged KV
+    cache. Its KV for accepted tokens is kept; for rejected ones it is rolled back."""
+
+    def __init__(self, runner, kv_cache: KVCacheManager, num_speculative_tokens: int, max_model_len: int):
+        super().__init__(num_speculative_tokens, max_model_len)
+        self.runner = runner
+        self.kv = kv_cache
+        self.seqs: dict[str, _DraftSeq] = {}
+
+    def propose(self, running: list[Request]) -> None:
+        live = {r.request_id for r in running}
+        for rid in [rid for rid in self.seqs if rid not in live]:
+            self._drop(rid)
+        active: list[tuple[Request, _DraftSeq]] = []
+        for req in running:
+            req.clear_spec()
+            if self.budget(req) > 0:
+                active.append((req, self._sync(req)))
+        drafts: dict[str, list[int]] = {req.request_id: [] for req, _ in active}
+        probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in active}
+        for step in range(self.k):
+            batch = [(req, seq) for req, seq in active if step < self.budget(req)]
+            scheduled = []
+            for _, seq in batch:
+                n = seq.num_tokens - seq.num_computed_tokens
+                if self.kv.allocate_slots(seq, n) is None:  # draft cache full: this one doesn't speculate
+                    continue
+                scheduled.append(ScheduledRequest(seq, n, self.kv.block_table(seq.request_id)))
+            if not scheduled:
+                break
+            done, logits = self.runner.forward_logits(SchedulerOutput(scheduled))
+            by_id = {req.request_id: req for req, _ in batch}
+            for j, s in enumerate(done):
+                req, seq = by_id[s.request.request_id], s.request
+                seq.num_computed_tokens += s.num_new_tokens
+                token, q = self._draw(req, seq, logits[j:j + 1], drafts[req.request_id])
+                drafts[req.request_id].append(token)
+                if q is not None:
+                    probs[req.request_id].append(q)
+                seq.all_token_ids.append(token)
+        for req, _ in active:
+            req.spec_token_ids = drafts[req.request_id]
+            if probs[req.request_id]:
+                req.spec_draft_probs = torch.stack(probs[req.request_id])
+
+    def _sync(self, req: Request) -> _DraftSeq:
+        """Bring the draft's copy up to the verified tokens, keeping the KV of the common prefix."""
+        seq = self.seqs.get(req.request_id)
+        if seq is None:
+            gen = None
+            if req.params.seed is not None:
+                gen = torch.Generator(device=self.runner.device).manual_seed(req.params.seed + 1)
+            seq = self.seqs[req.request_id] = _DraftSeq(req.request_id, [], generator=gen)
+        common = 0
+        limit = min(len(seq.all_token_ids), req.num_tokens)
+        while common < limit and seq.all_token_ids[common] == req.all_token_ids[common]:
+            common += 1
+        seq.all_token_ids = list(req.all_token_ids)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, common)
+        return seq
+
+    def _draw(self, req: Request, seq: _DraftSeq, logits: torch.Tensor, drafted: list[int]):
+        row = SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + drafted, seq.generator)
+        x = self.runner.sampler.process(logits, [row])
+        if req.params.greedy:
+            return int(x.argmax(dim=-1)), None
+        q = sampling_probs(x, [row])[0]
+        return int(torch.multinomial(q, 1, generator=seq.generator)), q
+
+    def _drop(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id)
+        self.kv.free(seq)

@@ -1,0 +1,56 @@
+"""Lossless verification of proposed tokens (Leviathan et al. 2023; Chen et al. 2023).
+
+Draft token x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
+token is resampled from normalize(max(p_i - q_i, 0)); if every draft is accepted a bonus token is drawn
+from p_{k+1}. The output is then distributed exactly as sampling from the target p alone. For a
+proposer without probabilities (n-gram) q is a point mass on x_i. Greedy requests accept while the
+draft equals the target's argmax and then take the argmax, which is the greedy chain itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def verify(target_probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
+           generator: torch.Generator | None) -> list[int]:
+    """target_probs: [k+1, V] (rows 0..k-1 score the drafts, row k is the bonus position);
+    draft_probs: [k, V] or None for a point-mass proposer. Returns accepted drafts + one more token."""
+    k = len(draft)
+    device = target_probs.device
+    uniforms = torch.rand(k + 1, generator=generator, device=generator.device if generator else device)
+    out: list[int] = []
+    for i, tok in enumerate(draft):
+        p = target_probs[i]
+        q_tok = 1.0 if draft_probs is None else float(draft_probs[i, tok])
+        p_tok = float(p[tok])
+        if q_tok > 0 and float(uniforms[i]) * q_tok <= p_tok:  # u < p/q without dividing by a tiny q
+            out.append(tok)
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[tok] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_min_(0.0)
+        total = float(residual.sum())
+        residual = p if total <= 0.0 else residual / total  # p == q exactly: any draw from p is right
+        out.append(_draw(residual, generator))
+        return out
+    out.append(_draw(target_probs[k], generator))
+    return out
+
+
+def verify_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:
+    out = []
+    for tok, best in zip(draft, target_argmax, strict=False):
+        if tok != best:
+            break
+        out.append(tok)
+    out.append(target_argmax[len(out)])
+    return out
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    if generator is not None and generator.device != probs.device:
+        return int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=generator))

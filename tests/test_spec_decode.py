@@ -1,0 +1,174 @@
+"""Speculative decoding: n-gram and draft-model proposers are lossless in the continuous-batching engine."""
+
+import random
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.spec_decode.ngram import propose_ngram
+from pagellm.spec_decode.rejection import verify
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def test_ngram_prefers_the_longest_and_most_recent_match():
+    toks = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert propose_ngram(toks, 3, 1, 3) == [7, 8, 5]  # "2 3" last seen before 7 8 5
+    assert propose_ngram(toks + [7], 2, 3, 3) == [8, 5]  # "2 3 7" occurred once
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 2) == []  # no repeat
+    assert propose_ngram([5, 5], 4, 1, 2) == [5]  # proposals stop at the end of the sequence
+
+
+def test_rejection_sampler_keeps_the_target_distribution():
+    # Exact check of the acceptance rule on one position: P(out = t) must equal p(t) for any q.
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.1, 0.1, 0.2, 0.6])
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(4)
+    n = 20000
+    for _ in range(n):
+        draft = int(torch.multinomial(q, 1, generator=gen))
+        out = verify(torch.stack([p, p]), [draft], q[None], gen)
+        counts[out[0]] += 1
+    assert torch.allclose(counts / n, p, atol=0.015)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_model):
+    return tiny_hf_model("llama", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_hf_model):
+    # A deliberately different model with the same vocabulary: most of its proposals are rejected.
+    return tiny_hf_model("llama", num_hidden_layers=1, initializer_range=0.05, hidden_size=32,
+                         intermediate_size=64)
+
+
+def make(tiny, tok, **kw):
+    kw.setdefault("kv_cache_memory", "8MiB")
+    return LLM(tiny, tokenizer=tok, block_size=8, **kw)
+
+
+def repetitive_prompts(n, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        motif = [rng.randrange(3, 512) for _ in range(rng.randint(3, 8))]
+        out.append((motif * 8)[:rng.randint(20, 60)])
+    return out
+
+
+def ids(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_identity_in_mixed_batches_with_preemption(tiny, draft_dir, smollm_gguf_path, method):
+    ps = repetitive_prompts(10) + [[random.Random(i).randrange(3, 512) for _ in range(90)] for i in range(4)]
+    params = [GREEDY] * 12 + [SamplingParams(n=2, temperature=0, max_tokens=25, ignore_eos=True)] * 2
+    expected = ids(make(tiny, smollm_gguf_path).generate(ps, params, use_tqdm=False))
+    extra = {"draft_model": draft_dir} if method == "draft" else {}
+    # A budget of 40 blocks of 8 tokens makes the batch preempt; a small step budget mixes prefill chunks.
+    llm = make(tiny, smollm_gguf_path, speculative_method=method, num_speculative_tokens=5,
+               kv_cache_memory=40 * 2 * 2 * 2 * 16 * 8 * 4, max_num_batched_tokens=96, **extra)
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    st = llm.engine.scheduler.stats
+    assert st.num_draft_tokens > 0 and st.num_preemptions > 0
+    if method == "ngram":
+        assert st.num_accepted_tokens > 0
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free == kv.num_blocks
+
+
+def test_greedy_identity_against_transformers(tiny, smollm_gguf_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    ps = repetitive_prompts(3, seed=5)
+    llm = make(tiny, smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=4)
+    ours = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    for p, o in zip(ps, ours, strict=True):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+        assert o == ref
+
+
+def test_edge_cases_max_tokens_mid_run_stop_string_and_k_beyond_budget(tiny, smollm_gguf_path):
+    plain = make(tiny, smollm_gguf_path)
+    spec = make(tiny, smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=8)
+    p = repetitive_prompts(1, seed=7)
+    for max_tokens in (1, 2, 3, 7):  # K=8 exceeds what is left: the run is cut at max_tokens exactly
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        a = plain.generate(p, params, use_tqdm=False)[0].outputs[0]
+        b = spec.generate(p, params, use_tqdm=False)[0].outputs[0]
+        assert b.token_ids == a.token_ids and len(b.token_ids) == max_tokens and b.finish_reason == "length"
+    text = plain.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = text[10:14]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    a = plain.generate(p, params, use_tqdm=False)[0].outputs[0]
+    b = spec.generate(p, params, use_tqdm=False)[0].outputs[0]
+    assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, "stop")
+
+
+def test_a_proposal_containing_a_stop_token_finishes_the_request(tiny, smollm_gguf_path):
+    plain = make(tiny, smollm_gguf_path)
+    # The target itself as draft model: every draft is accepted, so the stop id arrives inside an
+    # accepted run, and what was drafted after it must be dropped.
+    spec = make(tiny, smollm_gguf_path, speculative_method="draft", draft_model=tiny, num_speculative_tokens=6)
+    for seed in range(20):
+        p = repetitive_prompts(1, seed=seed)[0]
+        greedy = plain.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        if greedy[4] not in greedy[:4]:
+            break
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[greedy[4]])
+    a = plain.generate([p], params, use_tqdm=False)[0].outputs[0]
+    b = spec.generate([p], params, use_tqdm=False)[0].outputs[0]
+    assert b.token_ids == a.token_ids == greedy[:5] and b.finish_reason == "stop"
+    st = spec.engine.scheduler.stats
+    assert st.num_accepted_tokens == st.num_draft_tokens == 6  # all verified; the 2 after the stop dropped
+
+
+def _chi_square_two_sample(a: list[int], b: list[int]) -> tuple[float, int]:
+    cats = sorted(set(a) | set(b))
+    ca = torch.tensor([a.count(c) for c in cats], dtype=torch.float64)
+    cb = torch.tensor([b.count(c) for c in cats], dtype=torch.float64)
+    keep = (ca + cb) >= 10  # pool rare categories so the statistic's approximation holds
+    ca = torch.cat([ca[keep], ca[~keep].sum(0, keepdim=True)])
+    cb = torch.cat([cb[keep], cb[~keep].sum(0, keepdim=True)])
+    na, nb = ca.sum(), cb.sum()
+    stat = (((ca * (nb / na).sqrt() - cb * (na / nb).sqrt()) ** 2) / (ca + cb).clamp_min(1)).sum()
+    return float(stat), int((ca + cb > 0).sum()) - 1
+
+
+# chi-square critical values at significance 0.001, by degrees of freedom
+_CRIT_001 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53, 36.12,
+             37.70, 39.25, 40.79, 42.31, 43.82, 45.31, 46.80, 48.27, 49.73, 51.18, 52.62, 54.05, 55.48, 56.89]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampling_distribution_is_unchanged(tiny_hf_model, smollm_gguf_path, method):
+    """Tokens 2-4 (the speculated ones) have the same distribution with and without speculation:
+    a two-sample chi-square test per position at significance 0.001, 1500 samples each."""
+    model = tiny_hf_model("llama", vocab_size=24, initializer_range=0.15)
+    draft = tiny_hf_model("llama", vocab_size=24, num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                          initializer_range=0.3)
+    prompt = list(range(24)) + [5, 9, 13, 5, 9]  # every token occurs in the context: n-gram always proposes
+    n = 1500
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+
+    def samples(**kw):
+        llm = LLM(model, tokenizer=smollm_gguf_path, block_size=8, kv_cache_memory="16MiB", max_num_seqs=256,
+                  max_num_batched_tokens=4096, **kw)
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.scheduler.stats
+
+    base, _ = samples()
+    extra = {"draft_model": draft} if method == "draft" else {}
+    spec, stats = samples(speculative_method=method, num_speculative_tokens=3, ngram_min=1, **extra)
+    assert stats.num_draft_tokens >= n and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for pos in (1, 2, 3):
+        stat, df = _chi_square_two_sample([s[pos] for s in base], [s[pos] for s in spec])
+        assert stat < _CRIT_001[df - 1], f"position {pos}: chi2={stat:.1f} with {df} df"
