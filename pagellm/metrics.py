@@ -54,6 +54,17 @@ class _EngineCollector:
         yield counter("prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions)
+        yield counter("num_swapped_out", "Preempted requests whose KV blocks were copied to host memory.",
+                      s.num_swapped_out)
+        yield counter("num_swapped_in", "Swapped-out requests whose KV blocks were copied back.", s.num_swapped_in)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                      s.spec_accepted_tokens)
+        yield counter("spec_decode_num_drafts", "Request-steps that verified drafts.", s.spec_steps)
+        yield gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.",
+                    s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0)
+        yield gauge("spec_decode_mean_acceptance_length", "Tokens per verifying step (accepted drafts + 1).",
+                    1 + s.spec_accepted_tokens / s.spec_steps if s.spec_steps else 0.0)
         yield counter("prefix_cache_queries", "Tokens looked up in the prefix cache.", s.prefix_queries)
         yield counter("prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_hits)
         done = CounterMetricFamily("pagellm:request_success", "Finished requests by finish reason.",

@@ -172,3 +172,17 @@ def test_sampling_distribution_is_unchanged(tiny_hf_model, smollm_gguf_path, met
     for pos in (1, 2, 3):
         stat, df = _chi_square_two_sample([s[pos] for s in base], [s[pos] for s in spec])
         assert stat < _CRIT_001[df - 1], f"position {pos}: chi2={stat:.1f} with {df} df"
+
+
+def test_smollm2_greedy_identity_with_both_proposers(smollm_gguf_path, tmp_path):
+    from pagellm.bench.latency import GROUNDED_PROMPT
+    from scripts.make_draft_model import make_draft
+
+    draft = make_draft(smollm_gguf_path, 2, str(tmp_path / "draft"))
+    msgs = [{"role": "user", "content": GROUNDED_PROMPT}]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    base = LLM(kv_cache_memory="64MiB").chat(msgs, params, use_tqdm=False)[0].outputs[0].token_ids
+    for kw in (dict(speculative_method="ngram"), dict(speculative_method="draft", draft_model=draft)):
+        llm = LLM(kv_cache_memory="64MiB", num_speculative_tokens=5, **kw)
+        assert llm.chat(msgs, params, use_tqdm=False)[0].outputs[0].token_ids == base, kw
+        assert llm.engine.scheduler.stats.num_draft_tokens > 0

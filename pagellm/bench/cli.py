@@ -24,6 +24,19 @@ def add_bench_parser(sub, add_engine_args) -> None:
     t.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     add_engine_args(t)
     t.set_defaults(func=_throughput)
+    from pagellm.bench.memory import add_memory_parser
+
+    add_memory_parser(bsub, add_engine_args)
+    from pagellm.bench.latency import add_latency_parser
+
+    add_latency_parser(bsub, add_engine_args)
+    from pagellm.bench.serve import add_serve_bench_args, run_serve_bench
+
+    s = bsub.add_parser("serve", help="online benchmark against a running server",
+                        description="Streaming /v1/completions requests with gamma arrivals (vLLM's "
+                                    "benchmark_serving): throughput, TTFT, TPOT, ITL, E2E, goodput.")
+    add_serve_bench_args(s)
+    s.set_defaults(func=run_serve_bench)
 
 
 def _throughput(ns: argparse.Namespace) -> int:

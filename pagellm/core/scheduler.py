@@ -52,6 +52,7 @@ class SchedulerStats:
     num_finished: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_spec_steps: int = 0  # request-steps that verified drafts
 
 
 class Scheduler:
@@ -152,6 +153,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, num_new, self.kv_cache.block_table(req.request_id),
                                                       list(spec), probs))
                 self.stats.num_draft_tokens += len(spec)
+                self.stats.num_spec_steps += bool(spec)
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
                 i += 1

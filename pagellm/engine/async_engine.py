@@ -57,6 +57,11 @@ class EngineSnapshot:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
 
@@ -316,6 +321,10 @@ class AsyncLLMEngine:
             kv_cache_usage=eng.kv_cache.usage(), prompt_tokens=eng.stats.prompt_tokens,
             generation_tokens=eng.stats.generation_tokens, finished=dict(eng.stats.finished),
             num_preemptions=eng.scheduler.stats.num_preemptions,
+            num_swapped_out=eng.scheduler.stats.num_swapped_out, num_swapped_in=eng.scheduler.stats.num_swapped_in,
+            spec_draft_tokens=eng.scheduler.stats.num_draft_tokens,
+            spec_accepted_tokens=eng.scheduler.stats.num_accepted_tokens,
+            spec_steps=eng.scheduler.stats.num_spec_steps,
             prefix_queries=eng.kv_cache.prefix_queries, prefix_hits=eng.kv_cache.prefix_hits)
 
     def _dispatch(self, res: _StepResult) -> None:

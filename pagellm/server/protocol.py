@@ -48,12 +48,17 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search: a sequence scores sum(logprob) / length ** length_penalty
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           beam_width: int | None = None) -> SamplingParams:
+        if self.use_beam_search:
+            return self._beam_search_params(max_tokens, logprobs, beam_width)
         bias = None
         if self.logit_bias:
             bias = {}
@@ -75,6 +80,30 @@ class _SamplingRequest(_Body):
             frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=bias,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
+
+    def _beam_search_params(self, max_tokens: int | None, logprobs: int | None,
+                            beam_width: int | None) -> SamplingParams:
+        """vLLM's beam search: n sequences returned out of beam_width (best_of, else n) beams. The search
+        ranks whole sequences by log-probability, so a sampling option it would silently drop is refused."""
+        if self.stream:
+            raise ValueError("stream must be false with use_beam_search: the beams are ranked only when the "
+                             "search ends, so there is nothing to stream before the final result")
+        ignored = {"temperature": self.temperature not in (None, 0), "top_p": self.top_p not in (None, 1),
+                   "top_k": self.top_k not in (None, -1, 0), "min_p": self.min_p not in (None, 0),
+                   "presence_penalty": self.presence_penalty not in (None, 0),
+                   "frequency_penalty": self.frequency_penalty not in (None, 0),
+                   "repetition_penalty": self.repetition_penalty not in (None, 1),
+                   "logit_bias": bool(self.logit_bias), "stop": bool(self.stop),
+                   "stop_token_ids": bool(self.stop_token_ids), "min_tokens": self.min_tokens != 0,
+                   "logprobs": logprobs is not None}
+        for name, set_ in ignored.items():
+            if set_:
+                raise ValueError(f"{name} must be left unset with use_beam_search (beam search does not "
+                                 f"apply it)")
+        return SamplingParams(
+            n=self.n, use_beam_search=True, beam_width=beam_width or self.n, length_penalty=self.length_penalty,
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens)
 
 

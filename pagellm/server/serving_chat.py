@@ -44,6 +44,9 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServerContext):
     model = ctx.check_model(body.model)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    prompt_ids = render_chat(ctx, body.messages, body.add_generation_prompt)
+    if max_tokens is None and body.use_beam_search:  # beams need a length limit: the rest of the context
+        max_tokens = max(ctx.engine.max_model_len - len(prompt_ids), 1)
     try:
         logprobs = body.engine_logprobs()
         params = body.to_sampling_params(max_tokens, logprobs)
@@ -52,7 +55,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         if body.max_completion_tokens is not None and msg.startswith("max_tokens "):
             msg = "max_completion_tokens" + msg[len("max_tokens"):]
         raise bad_request(msg) from None
-    prompt_ids = render_chat(ctx, body.messages, body.add_generation_prompt)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await ctx.add_all([prompt_ids], params, rid, "messages", body.cache_salt)
     created = now_s()

@@ -30,14 +30,18 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     model = ctx.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != body.n:
-        raise APIError(400, "best_of is not supported (it must equal n)", param="best_of")
+    if body.use_beam_search:  # vLLM: best_of is the beam width, n how many beams come back
+        if body.best_of is not None and body.best_of < body.n:
+            raise APIError(400, f"best_of must be >= n ({body.n}) with use_beam_search, got {body.best_of}",
+                           param="best_of")
+    elif body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of is not supported without use_beam_search (it must equal n)", param="best_of")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
                        param="echo")
     try:
         prompts = body.prompts()
-        params = body.to_sampling_params(body.max_tokens, body.logprobs)
+        params = body.to_sampling_params(body.max_tokens, body.logprobs, beam_width=body.best_of)
     except ValueError as e:
         raise bad_request(e, "prompt") from None
     rid = f"cmpl-{uuid.uuid4().hex}"

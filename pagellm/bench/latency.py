@@ -1,0 +1,180 @@
+"""`pagellm bench latency`: time to first token and decode speed at small batch sizes, with and without
+speculative decoding, on the same engine settings and the same prompts (greedy, so outputs must match)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+# An input-grounded task: the answer mostly quotes the prompt, which is where n-gram lookup shines.
+GROUNDED_CODE = '''def summarize_orders(orders, tax_rate):
+    subtotal = 0.0
+    for order in orders:
+        subtotal += order.price * order.quantity
+    tax = subtotal * tax_rate
+    shipping = 0.0 if subtotal > 100 else 7.5
+    total = subtotal + tax + shipping
+    return {"subtotal": subtotal, "tax": tax, "shipping": shipping, "total": total}
+
+
+def print_receipt(orders, tax_rate):
+    summary = summarize_orders(orders, tax_rate)
+    for order in orders:
+        print(order.name, order.quantity, order.price)
+    print("subtotal", summary["subtotal"])
+    print("total", summary["total"])
+'''
+GROUNDED_PROMPT = ("Rewrite the following Python code, renaming the variable `subtotal` to `items_cost`. "
+                   "Reply with the full code only.\n\n" + GROUNDED_CODE)
+
+
+def add_latency_parser(bsub, add_engine_args) -> None:
+    p = bsub.add_parser("latency", help="TTFT and decode tok/s at small batch sizes (optionally speculative)",
+                        description="Latency at batch sizes 1, 4, 16...; with --speculative-method, the same "
+                                    "runs without speculation first, and the speed-up and acceptance are reported.")
+    p.add_argument("--task", choices=["grounded", "random"], default="grounded",
+                   help="grounded: rewrite a given code block (chat template); random: random token prompts")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens for --task random")
+    p.add_argument("--output-len", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="concurrent requests (default 1)")
+    p.add_argument("--num-iters", type=int, default=2, help="timed runs per setting; the median is reported")
+    p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="draw decode tok/s per batch size")
+    add_engine_args(p)
+    p.set_defaults(func=run_latency)
+
+
+def _prompts(llm, task: str, input_len: int, batch: int) -> list[list[int]]:
+    tok = llm.engine.tokenizer
+    if task == "grounded":
+        text = tok.apply_chat_template([{"role": "user", "content": GROUNDED_PROMPT}], add_generation_prompt=True)
+        return [tok.encode(text, add_special_tokens=False)] * batch
+    from pagellm.bench.workload import random_workload
+
+    vocab = llm.engine.model_config.vocab_size
+    return [r.prompt_token_ids for r in random_workload(batch, vocab, (input_len, input_len), (1, 1), seed=0)]
+
+
+def _one_run(llm, prompts, output_len: int, ignore_eos: bool) -> dict:
+    from pagellm import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"lat-{time.monotonic_ns()}-{i}", p, params)
+    first: dict[str, float] = {}
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            now = time.perf_counter()
+            if out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                final[out.request_id] = (now, out.outputs[0].token_ids)
+    end = max(t for t, _ in final.values())
+    n_out = sum(len(ids) for _, ids in final.values())
+    ttft = statistics.mean(first[r] - t0 for r in final)
+    decode_time = end - min(first.values())
+    return {"ttft_s": ttft, "decode_tok_s": (n_out - len(final)) / max(decode_time, 1e-9),
+            "output_tokens": n_out, "token_ids": [final[r][1] for r in sorted(final)]}
+
+
+def _measure(engine_kwargs: dict, ns, batch: int) -> dict:
+    from pagellm import LLM
+
+    llm = LLM(**engine_kwargs)
+    prompts = _prompts(llm, ns.task, ns.input_len, batch)
+    ignore_eos = ns.task == "random"
+    _one_run(llm, prompts[:1], 8, ignore_eos)  # warm-up
+    runs = [_one_run(llm, prompts, ns.output_len, ignore_eos) for _ in range(ns.num_iters)]
+    st = llm.engine.scheduler.stats
+    res = {
+        "batch_size": batch,
+        "prompt_tokens": len(prompts[0]),
+        "output_tokens": runs[0]["output_tokens"],
+        "ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in runs), 1),
+        "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in runs), 2),
+        "token_ids": runs[0]["token_ids"],
+    }
+    if st.num_draft_tokens:
+        res["draft_tokens"] = st.num_draft_tokens
+        res["accepted_tokens"] = st.num_accepted_tokens
+        res["acceptance_rate"] = round(st.num_accepted_tokens / st.num_draft_tokens, 3)
+        # vLLM's "mean acceptance length": tokens a verifying step yields, the bonus token included
+        res["mean_acceptance_length"] = round(1 + st.num_accepted_tokens / st.num_spec_steps, 2)
+    return res
+
+
+def run_latency(ns: argparse.Namespace) -> int:
+    from pagellm.cli import engine_args_from
+
+    args = vars(engine_args_from(ns))
+    spec_method = args.get("speculative_method")
+    rows = []
+    for batch in ns.batch_sizes:
+        base = _measure(dict(args, speculative_method=None), ns, batch)
+        row = {"batch_size": batch, "baseline": base}
+        if spec_method:
+            spec = _measure(args, ns, batch)
+            spec["speedup"] = round(spec["decode_tok_s"] / base["decode_tok_s"], 2)
+            spec["identical_output"] = spec["token_ids"] == base["token_ids"]
+            row["speculative"] = spec
+        rows.append(row)
+    _print_table(rows, spec_method)
+    for r in rows:  # token ids only served the identity check
+        for k in ("baseline", "speculative"):
+            r.get(k, {}).pop("token_ids", None)
+    report = {"benchmark": "latency", "date": time.strftime("%Y-%m-%d"), "task": ns.task,
+              "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": args, "results": rows}
+    if ns.json:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
+        with open(ns.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {ns.json}")
+    if ns.plot:
+        _plot(rows, spec_method, ns.plot)
+        print(f"wrote {ns.plot}")
+    return 0
+
+
+def _print_table(rows: list[dict], spec_method: str | None) -> None:
+    head = f"{'batch':>5} {'TTFT ms':>8} {'decode tok/s':>12}"
+    if spec_method:
+        head += f" | {spec_method + ' tok/s':>12} {'speed-up':>8} {'accept':>6} {'acc len':>8} {'same out':>8}"
+    print(head)
+    for r in rows:
+        b = r["baseline"]
+        line = f"{r['batch_size']:>5} {b['ttft_ms']:>8} {b['decode_tok_s']:>12}"
+        s = r.get("speculative")
+        if s:
+            line += (f" | {s['decode_tok_s']:>12} {s['speedup']:>8} {s.get('acceptance_rate', 0):>6} "
+                     f"{s.get('mean_acceptance_length', 0):>8} {str(s['identical_output']):>8}")
+        print(line)
+
+
+def _plot(rows: list[dict], spec_method: str | None, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [str(r["batch_size"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.38 if spec_method else 0.6
+    ax.bar([i - (width / 2 if spec_method else 0) for i in range(len(xs))],
+           [r["baseline"]["decode_tok_s"] for r in rows], width, label="no speculation")
+    if spec_method:
+        ax.bar([i + width / 2 for i in range(len(xs))], [r["speculative"]["decode_tok_s"] for r in rows], width,
+               label=f"{spec_method} speculation")
+    ax.set_xticks(range(len(xs)), xs)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("pagellm decode speed")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
