@@ -159,7 +159,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: int | str = "256MiB"
-    attention_backend: str = "reference"
+    attention_backend: str = "batched"
     num_threads: int | None = None
     speculative_method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 4

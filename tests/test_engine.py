@@ -167,3 +167,11 @@ def test_kv_cache_memory_accepts_strings_and_ints(make_llm):
     b = make_llm(kv_cache_memory=2**20, block_size=16)
     # bytes per block = 2 (K,V) * 2 layers * 2 kv heads * 16 head_dim * 16 tokens * 4 bytes
     assert a.engine.kv_cache.num_blocks == b.engine.kv_cache.num_blocks == 2**20 // (2 * 2 * 2 * 16 * 16 * 4)
+
+
+def test_batched_and_reference_attention_backends_agree(make_llm):
+    ps = prompts(12, seed=11, lo=5, hi=150)
+    ref = greedy_ids(make_llm(attention_backend="reference", max_num_batched_tokens=64), ps)
+    assert greedy_ids(make_llm(attention_backend="batched", max_num_batched_tokens=64), ps) == ref
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        make_llm(attention_backend="flash-magic")
