@@ -175,3 +175,24 @@ def test_batched_and_reference_attention_backends_agree(make_llm):
     assert greedy_ids(make_llm(attention_backend="batched", max_num_batched_tokens=64), ps) == ref
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         make_llm(attention_backend="flash-magic")
+
+
+def test_bfloat16_stays_close_to_float32(make_llm):
+    """bf16 weights and KV: first-token logprobs within 0.1 of fp32, and where fp32's top-1 leads the
+    runner-up by more than 0.5 nats it stays top-1 (closer near-ties may flip)."""
+    ps = prompts(8, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)
+    f32 = make_llm().generate(ps, params, use_tqdm=False)
+    bf16 = make_llm(dtype="bfloat16").generate(ps, params, use_tqdm=False)
+    assert bf16[0].outputs[0].logprobs is not None
+    checked = 0
+    for a, b in zip(f32, bf16, strict=True):
+        top_a = sorted(a.outputs[0].logprobs[0].items(), key=lambda kv: -kv[1].logprob)
+        lp_b = b.outputs[0].logprobs[0]
+        tok = top_a[0][0]
+        if tok in lp_b:
+            assert abs(lp_b[tok].logprob - top_a[0][1].logprob) < 0.1
+        if top_a[0][1].logprob - top_a[1][1].logprob > 0.5:
+            assert b.outputs[0].token_ids[0] == tok
+            checked += 1
+    assert checked > 0

@@ -83,12 +83,14 @@ def test_greedy_identity_in_mixed_batches_with_preemption(tiny, draft_dir, smoll
     assert kv.pool.num_free == kv.num_blocks
 
 
-def test_greedy_identity_against_transformers(tiny, smollm_gguf_path):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_identity_against_transformers(tiny, draft_dir, smollm_gguf_path, method):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     ps = repetitive_prompts(3, seed=5)
-    llm = make(tiny, smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=4)
+    extra = {"draft_model": draft_dir} if method == "draft" else {}
+    llm = make(tiny, smollm_gguf_path, speculative_method=method, num_speculative_tokens=4, **extra)
     ours = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     for p, o in zip(ps, ours, strict=True):
         ref = model.generate(torch.tensor([p]), max_new_tokens=40, min_new_tokens=40, do_sample=False,

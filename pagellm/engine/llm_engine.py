@@ -58,6 +58,11 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     return model.eval()
 
 
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for every layer of block_size tokens (DESIGN.md §4)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * dtype.itemsize
+
+
 def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRunner, cfg: ModelConfig, device):
     if args.speculative_method is None:
         return None
@@ -72,9 +77,7 @@ def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRun
                          f"({cfg.vocab_size})")
     dtype = _DTYPES[args.dtype]
     draft = load_model(path, draft_cfg, dtype, device)
-    bytes_per_block = (2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * draft_cfg.head_dim
-                       * args.block_size * torch.finfo(dtype).bits // 8)
-    num_blocks = parse_bytes(args.draft_kv_cache_memory) // bytes_per_block
+    num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, dtype)
     runner = ModelRunner(draft, num_blocks, args.block_size, dtype, device, target_runner.backend,
                          target_runner.sampler)
     logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
@@ -99,9 +102,7 @@ class LLMEngine:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         cache = args.cache_config()
-        dtype_bytes = torch.finfo(dtype).bits // 8
-        self.bytes_per_block = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-                                * cache.block_size * dtype_bytes)
+        self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, dtype)
         num_blocks = cache.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes is less than one KV block "

@@ -59,9 +59,8 @@ class ModelRunner:
             starts.append(starts[-1] + s.num_new_tokens)
             seq_lens.append(end)
         max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        table = torch.zeros(len(out.scheduled), max_blocks, dtype=torch.int64)
-        for i, s in enumerate(out.scheduled):
-            table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int64)
+        table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled],
+                             dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
         row_req = torch.repeat_interleave(torch.arange(len(seq_lens)),
                                           torch.tensor([s.num_new_tokens for s in out.scheduled]))
