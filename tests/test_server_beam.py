@@ -2,35 +2,12 @@
 against LLM.generate's beam output on the same tiny random Llama."""
 
 import httpx
-import openai
 import pytest
-from test_server import MODEL, Server
 
-from pagellm import LLM, SamplingParams
+# test_server's module-scoped fixtures, imported: this module gets its own tiny-model server and LLM.
+from test_server import MODEL, client, llm, server, tiny_path  # noqa: F401
 
-
-@pytest.fixture(scope="module")
-def tiny_path(tiny_hf_model):
-    return tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_path, smollm_gguf_path, tmp_path_factory):
-    s = Server(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("srv-beam") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_path, smollm_gguf_path):
-    return LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB")
+from pagellm import SamplingParams
 
 
 def beams(llm, prompt, n, width, length_penalty=1.0, max_tokens=8, chat=False):
