@@ -53,8 +53,6 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                    cfg.rope_scaling).to(device)
     model.load_weights(iter_weights(path, cfg, dtype))
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     return model.eval()
 
 

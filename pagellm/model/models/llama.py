@@ -14,6 +14,7 @@ from torch import nn
 
 from pagellm.config import ModelConfig
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
+from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
 
@@ -27,8 +28,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k, v fused into one matmul; loading concatenates the checkpoint's three weights.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend):
@@ -45,8 +46,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -73,9 +74,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        # Tied checkpoints get a transposed copy of the embedding here (load_weights): the lookup wants
+        # rows of [vocab, hidden], the output layer streams [hidden, vocab] faster.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
 
@@ -108,30 +109,38 @@ class LlamaForCausalLM(nn.Module):
                     parts[i], shard = fused[p]
                     target = ".".join(parts)
                     break
+            transposed = target.endswith(".weight") and target + "_t" in params
+            if transposed:  # checkpoints store [out, in]; our Linear keeps [in, out]
+                target += "_t"
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[target]
             if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                param.copy_(tensor)
+                src = tensor.t() if transposed else tensor
+                if param.shape != src.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit "
+                                     f"{tuple(param.shape)}")
+                param.copy_(src)
             else:
-                self._load_shard(target, param, tensor, shard)
+                self._load_shard(target, param, tensor, shard, transposed)
+            if target == "embed_tokens.weight" and self.config.tie_word_embeddings:
+                params["lm_head.weight_t"].copy_(tensor.t())
+                loaded.add("lm_head.weight_t")
             loaded.add(target)
         missing = {n for n in params if n not in loaded}
-        if self.config.tie_word_embeddings:
-            missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
-    def _load_shard(self, target: str, param: torch.Tensor, tensor: torch.Tensor, shard: int) -> None:
-        if target.endswith("qkv_proj.weight") or target.endswith("qkv_proj.bias"):
+    def _load_shard(self, target: str, param: torch.Tensor, tensor: torch.Tensor, shard: int,
+                    transposed: bool) -> None:
+        if ".qkv_proj." in target:
             attn = self.layers[0].self_attn
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
         else:
             sizes = [self.config.intermediate_size] * 2
         start = sum(sizes[:shard])
-        dst = param.narrow(0, start, sizes[shard])
+        dst = param.narrow(1 if transposed else 0, start, sizes[shard])
+        tensor = tensor.t() if transposed else tensor
         if dst.shape != tensor.shape:
             raise ValueError(f"{target}[{shard}]: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
         dst.copy_(tensor)
