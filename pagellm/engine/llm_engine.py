@@ -177,6 +177,8 @@ class LLMEngine:
 
     def _advance_beams(self, sched_out, sampled) -> list[RequestState]:
         """Record beam candidates; expand every group whose live beams all have them."""
+        if not any(tok.beam_candidates is not None for tok in sampled.values()):
+            return []  # the common step: no beam search in the batch
         by_id = {s.request.request_id: s.request for s in sched_out.scheduled}
         ready = {}
         for seq_id, tok in sampled.items():
