@@ -159,7 +159,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: int | str = "256MiB"
-    attention_backend: str = "batched"
+    attention_backend: str = "auto"
     num_threads: int | None = None
     speculative_method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 4

@@ -14,6 +14,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.output_processor import RequestState, SequenceState
+from pagellm.kernels import cpu_kernels
 from pagellm.model.attention import get_attention_backend
 from pagellm.model.loader import iter_weights, load_config, resolve_model_path
 from pagellm.model.models.llama import MODEL_REGISTRY
@@ -52,7 +53,9 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
 
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                    cfg.rope_scaling).to(device)
-    model.load_weights(iter_weights(path, cfg, dtype))
+    # Packed (GGUF block) copies only where the native kernels will read them.
+    packed = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
+    model.load_weights(iter_weights(path, cfg, dtype, packed=packed))
     return model.eval()
 
 
@@ -97,7 +100,8 @@ class LLMEngine:
         self.model_config = cfg = load_config(path)
         self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
         self.model = load_model(path, cfg, dtype, self.device)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
+            m.packed.nbytes for m in self.model.modules() if getattr(m, "packed", None) is not None)
 
         cache = args.cache_config()
         self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, dtype)
@@ -116,7 +120,8 @@ class LLMEngine:
         self.max_model_len = sched_cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, dtype, self.device,
-                                  get_attention_backend(args.attention_backend), Sampler(self.eos_token_ids),
+                                  get_attention_backend(args.attention_backend, self.device, dtype),
+                                  Sampler(self.eos_token_ids),
                                   num_host_blocks=num_host_blocks)
         self.proposer = build_proposer(args, self.max_model_len, self.runner, self.model_config, self.device)
         self.requests: dict[str, RequestState] = {}

@@ -65,11 +65,13 @@ class ModelRunner:
         row_req = torch.repeat_interleave(torch.arange(len(seq_lens)),
                                           torch.tensor([s.num_new_tokens for s in out.scheduled]))
         slots = table[row_req, pos // self.block_size] * self.block_size + pos % self.block_size
+        meta_pos = pos.to(self.device)
         meta = AttentionMetadata(
             slot_mapping=slots.to(self.device), block_tables=table.to(self.device), query_start_loc=starts,
-            seq_lens=seq_lens, block_size=self.block_size, sliding_window=self.sliding_window)
+            seq_lens=seq_lens, block_size=self.block_size, sliding_window=self.sliding_window,
+            row_seq=row_req.to(self.device), positions=meta_pos)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, pos.to(self.device), meta
+        return input_ids, meta_pos, meta
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:

@@ -18,6 +18,8 @@ class AttentionMetadata:
     seq_lens: list[int]  # B total lengths after this step
     block_size: int
     sliding_window: int | None = None
+    row_seq: torch.Tensor | None = None  # [T] int64: the request (row of block_tables) of each query row
+    positions: torch.Tensor | None = None  # [T] int64: each query row's position in its sequence
 
     @property
     def num_reqs(self) -> int:
@@ -41,11 +43,22 @@ class AttentionBackend:
         kv_cache[1].view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+BACKEND_NAMES = ("auto", "native", "batched", "reference")
+
+
+def get_attention_backend(name: str, device: torch.device | None = None,
+                          kv_dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """auto: the native kernel on a CPU with float32 KV when it builds, else batched."""
+    from pagellm.kernels import cpu_kernels
     from pagellm.model.attention.batched import BatchedAttention
+    from pagellm.model.attention.native import NativeCpuAttention
     from pagellm.model.attention.reference import ReferenceAttention
 
-    backends = {b.name: b for b in (ReferenceAttention, BatchedAttention)}
+    if name == "auto":
+        cpu = device is None or torch.device(device).type == "cpu"
+        native = cpu and kv_dtype == torch.float32 and cpu_kernels() is not None
+        name = "native" if native else "batched"
+    backends = {b.name: b for b in (ReferenceAttention, BatchedAttention, NativeCpuAttention)}
     if name not in backends:
-        raise ValueError(f"attention_backend must be one of {sorted(backends)}, got {name!r}")
+        raise ValueError(f"attention_backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
     return backends[name]()

@@ -1,8 +1,11 @@
-"""A Linear layer that keeps its weight transposed ([in, out], contiguous).
+"""A Linear layer that keeps its weight transposed ([in, out], contiguous), and optionally a packed
+(GGUF block-format) copy for few-row products.
 
 y = x @ W_t (+ b). On this project's CPU a batch-1 decode step streams weights from memory about 1.9x
 faster in this layout than through F.linear's [out, in] one, and batched steps are within a few percent
 either way (benchmarks/NOTES.md). Checkpoints hold [out, in]; load_weights transposes once.
+A packed copy holds the same weights in 4-6x fewer bytes; decode and verification steps (at most
+PACKED_MAX_ROWS rows) read that one through the native kernels.
 """
 
 from __future__ import annotations
@@ -10,14 +13,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.kernels import ops
+from pagellm.model.layers.quant import PACKED_MAX_ROWS, PackedWeight
+
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, shards: int = 1):
         super().__init__()
+        self.shards = shards  # checkpoint matrices fused into this one (q/k/v: 3, gate/up: 2)
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: PackedWeight | None = None
+        self._packed_shards: dict[int, PackedWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS and ops.available(x):
+            y = ops.packed_linear(x, self.packed)
+            return y if self.bias is None else y.add_(self.bias)
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
+
+    def add_packed_shard(self, shard: int, weight: PackedWeight) -> None:
+        self._packed_shards[shard] = weight
+
+    def finish_packing(self) -> None:
+        """Keeps a packed copy only when every shard of the fused weight came packed, in one format."""
+        shards = self._packed_shards
+        self._packed_shards = {}
+        if sorted(shards) != list(range(self.shards)):
+            return
+        packed = PackedWeight.cat([shards[i] for i in range(self.shards)])
+        if packed is not None and (packed.in_features, packed.out_features) == tuple(self.weight_t.shape):
+            self.packed = packed

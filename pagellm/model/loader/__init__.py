@@ -71,13 +71,15 @@ def load_config(path: str) -> ModelConfig:
     raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
 
 
-def iter_weights(path: str, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, tensor [out, in] in `dtype`); lm_head.weight is absent when tied."""
+def iter_weights(path: str, config: ModelConfig, dtype: torch.dtype,
+                 packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, tensor [out, in] in `dtype`); lm_head.weight is absent when tied.
+    packed=True adds GGUF block-format copies of quantized matrices (gguf_loader.iter_gguf_weights)."""
     path = str(path)
     if is_gguf_path(path):
         from pagellm.model.loader.gguf_loader import iter_gguf_weights
 
-        return iter_gguf_weights(path, config, dtype)
+        return iter_gguf_weights(path, config, dtype, packed)
     if os.path.isdir(path):
         return iter_hf_weights(path, config, dtype)
     raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")

@@ -13,6 +13,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from pagellm.config import ModelConfig
+from pagellm.model.layers.quant import PACKED_SUFFIX, PackedWeight, pack_gguf_blocks
 from pagellm.model.loader.gguf_reader import GGUFFile
 
 _GLOBAL_NAMES = {
@@ -75,6 +76,7 @@ def _q4_1(raw: np.ndarray) -> torch.Tensor:
 # gguf.quants does these in single-threaded numpy at ~5x the cost; they are the common formats of small
 # models, so they get torch fast paths (tests check them bit-exact against gguf.quants).
 _FAST = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1}
+_PACKABLE = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}  # formats the native few-row kernels read directly
 _PLAIN = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -100,20 +102,33 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str, config: ModelConfig,
-                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize tensor by tensor. torch runs single-threaded until the stream is exhausted or closed."""
+def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
+                      packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """Dequantize tensor by tensor. torch runs single-threaded until the stream is exhausted or closed.
+
+    With packed=True, every q4_1 / q8_0 matrix is also yielded in its block form, named
+    `<hf name>` + PACKED_SUFFIX, right after its dequantized self (see pagellm/model/layers/quant.py)."""
     gf = GGUFFile(path)
     # llama.cpp's llama converter (also used for Mistral) permutes Q/K rows; its qwen2 converter does not.
     permuted = gf.architecture in ("llama", "mistral")
 
-    def load(name: str) -> tuple[str, torch.Tensor]:
+    def load(name: str) -> list[tuple[str, torch.Tensor | PackedWeight]]:
         w = dequantize_tensor(gf, name)
+        heads = None
         if permuted and ".attn_q." in name:
-            w = unpermute_rotary(w, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif permuted and ".attn_k." in name:
-            w = unpermute_rotary(w, config.num_key_value_heads)
-        return hf_name(name), w.to(dtype).contiguous()
+            heads = config.num_key_value_heads
+        if heads:
+            w = unpermute_rotary(w, heads)
+        out = [(hf_name(name), w.to(dtype).contiguous())]
+        kind = _PACKABLE.get(gf.tensors[name].qtype)
+        if packed and kind and w.ndim == 2 and w.shape[1] % 32 == 0:
+            pw = pack_gguf_blocks(kind, gf.raw(name), tuple(w.shape))
+            if heads:
+                pw = pw.rows(unpermute_rotary(torch.arange(w.shape[0]), heads))
+            out.append((hf_name(name) + PACKED_SUFFIX, pw))
+        return out
 
     names = [n for n in gf.tensors if n not in _SKIPPED]
     for n in names:
@@ -123,7 +138,8 @@ def iter_gguf_weights(path: str, config: ModelConfig,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        yield from _prefetch_map(load, names, workers=min(4, threads))
+        for pairs in _prefetch_map(load, names, workers=min(4, threads)):
+            yield from pairs
     finally:
         torch.set_num_threads(threads)
 

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.config import ModelConfig
+from pagellm.kernels import ops
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
 from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.norm import RMSNorm
+from pagellm.model.layers.quant import PACKED_MAX_ROWS, PACKED_SUFFIX, PackedWeight
 from pagellm.model.layers.rotary import RotaryEmbedding
 
 
@@ -28,16 +30,22 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k, v fused into one matmul; loading concatenates the checkpoint's three weights.
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
+                               shards=3)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        native = ops.available(qkv)
+        if native:  # q and k heads sit side by side in each row: rotate both in place in one call
+            ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rotary.cos, rotary.sin, positions)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        if not native:
+            q, k = rotary(positions, q, k)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -46,11 +54,14 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, shards=2)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if ops.available(gate_up):
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -62,9 +73,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, kv_cache, meta, backend):
+        """x: the previous layer's output (the embeddings for layer 0, residual None then); returns this
+        layer's output and the residual stream before it, summed by the next norm (one fused op)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -79,17 +97,33 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
+        self._native = None  # NativeDecoder, or False when the model cannot use it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Returns final hidden states [T, hidden] for every input row."""
-        x = self.embed_tokens(input_ids)
+        if input_ids.shape[0] <= PACKED_MAX_ROWS and backend.name == "native" and self._native_decoder():
+            # Decode / verification steps: the same kernels in one native call (no Python between layers).
+            return self._native.forward(input_ids, positions, kv_caches, meta)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
+        return self.norm(x, residual)[0]
+
+    def _native_decoder(self) -> bool:
+        if not ops.available(self.embed_tokens.weight):
+            return False
+        if self._native is None:  # built on first use, once every weight (and the rotary table) is final
+            from pagellm.kernels.decoder import NativeDecoder
+
+            self._native = NativeDecoder(self) if NativeDecoder.supports(self) else False
+        return bool(self._native)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] > 1 and self.config.tie_word_embeddings:
+        rows = hidden.shape[0]
+        if self.lm_head.packed is not None and rows <= PACKED_MAX_ROWS and ops.available(hidden):
+            return self.lm_head(hidden)
+        if self.config.tie_word_embeddings and (rows > 1 or self.lm_head.weight_t.numel() == 0):
             # Several rows: the [vocab, hidden] layout (the embedding itself) is faster here; one row
             # streams the transposed copy about 2x faster (benchmarks/NOTES.md).
             return F.linear(hidden, self.embed_tokens.weight).float()
@@ -105,6 +139,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
+                continue
+            if isinstance(tensor, PackedWeight):
+                self._add_packed(name.removesuffix(PACKED_SUFFIX), tensor, fused)
                 continue
             parts = name.split(".")
             target, shard = name, None
@@ -134,6 +171,27 @@ class LlamaForCausalLM(nn.Module):
         missing = {n for n in params if n not in loaded}
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finish_packing()
+        if self.config.tie_word_embeddings and self.lm_head.packed is not None:
+            # One-row logits read the packed copy; the transposed float32 one would only cost memory.
+            self.lm_head.weight_t.data = torch.empty(0, 0)
+
+    def _add_packed(self, name: str, weight: PackedWeight, fused: dict) -> None:
+        """Route a packed matrix to its Linear (as shard i of a fused one); the embedding's, when tied,
+        to the LM head. Others (the embedding lookup itself) stay float32 only."""
+        if name == "embed_tokens.weight":
+            if self.config.tie_word_embeddings:
+                self.lm_head.add_packed_shard(0, weight)
+            return
+        parts = name.removesuffix(".weight").split(".")
+        module_name, shard = parts[-1], 0
+        if module_name in fused:
+            module_name, shard = fused[module_name]
+        module = self.get_submodule(".".join([*parts[:-1], module_name]))
+        if isinstance(module, Linear):
+            module.add_packed_shard(shard, weight)
 
     def _load_shard(self, target: str, param: torch.Tensor, tensor: torch.Tensor, shard: int,
                     transposed: bool) -> None:

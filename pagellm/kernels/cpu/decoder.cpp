@@ -1,0 +1,99 @@
+// A whole decoder forward for a few rows (decode and verification steps) in one call: the same kernels
+// the Python modules call one by one (pagellm/model/models/llama.py), in the same order, without
+// ~300 Python-level calls per token. Used only when every matmul of the model is packed.
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+extern "C" {
+void pagellm_q4_1_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
+                         const float* m, int N, float* y, int64_t ldy, int nthreads);
+void pagellm_q8_0_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d, int N,
+                         float* y, int64_t ldy, int nthreads);
+void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, float* out, int T, int C, float eps,
+                         int nthreads);
+void pagellm_rope(float* x, int64_t ldx, int T, int heads, int D, const float* cos_table, const float* sin_table,
+                  const int64_t* positions, int nthreads);
+void pagellm_silu_mul(const float* gate_up, int T, int I, float* out, int nthreads);
+void pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D, float* kv,
+                      int64_t num_blocks, int block_size, const int64_t* slots);
+int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const float* kv, int64_t num_blocks,
+                            int block_size, int KV, const int64_t* block_tables, int64_t table_stride,
+                            const int64_t* row_seq, const int64_t* row_pos, int window, float softmax_scale,
+                            float* out, int nthreads);
+}
+
+// Mirrors of the ctypes Structures in pagellm/kernels/decoder.py (field order and types must match).
+struct PackedMatrix {
+    int32_t kind;  // 0: q4_1, 1: q8_0
+    int32_t out_features, in_features;
+    const void* qs;
+    const float* d;
+    const float* m;
+    const float* bias;  // may be null
+};
+
+struct DecoderLayer {
+    PackedMatrix qkv, o, gate_up, down;
+    const float* input_norm;
+    const float* post_norm;
+};
+
+struct DecoderDims {
+    int32_t hidden, heads, kv_heads, head_dim, intermediate, window;
+    float eps, scale;
+    const float* rope_cos;
+    const float* rope_sin;
+};
+
+static void matmul(const PackedMatrix& w, const float* x, int T, float* y, int nthreads) {
+    if (w.kind == 0)
+        pagellm_q4_1_linear(x, w.in_features, T, w.in_features, static_cast<const uint8_t*>(w.qs), w.d, w.m,
+                            w.out_features, y, w.out_features, nthreads);
+    else
+        pagellm_q8_0_linear(x, w.in_features, T, w.in_features, static_cast<const int8_t*>(w.qs), w.d,
+                            w.out_features, y, w.out_features, nthreads);
+    if (w.bias)
+        for (int t = 0; t < T; ++t)
+            for (int i = 0; i < w.out_features; ++i) y[(int64_t)t * w.out_features + i] += w.bias[i];
+}
+
+// x: [T, hidden] embeddings in, final normed hidden states out (in place). kv_caches: one pointer per
+// layer to [2, num_blocks, block_size, kv_heads, head_dim]. Returns 0, or the attention kernel's error.
+extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLayer* layers, int num_layers,
+                                       float* const* kv_caches, int64_t num_blocks, int block_size,
+                                       const float* final_norm, float* x, int T, const int64_t* positions,
+                                       const int64_t* slots, const int64_t* block_tables, int64_t table_stride,
+                                       const int64_t* row_seq, int nthreads) {
+    const int C = dims->hidden, H = dims->heads, KV = dims->kv_heads, D = dims->head_dim;
+    const int qkv_width = (H + 2 * KV) * D;
+    std::vector<float> residual(x, x + (int64_t)T * C), delta((int64_t)T * C), h((int64_t)T * C);
+    std::vector<float> qkv((int64_t)T * qkv_width), attn((int64_t)T * H * D);
+    std::vector<float> gate_up((int64_t)T * 2 * dims->intermediate), act((int64_t)T * dims->intermediate);
+    pagellm_add_rmsnorm(residual.data(), nullptr, layers[0].input_norm, h.data(), T, C, dims->eps, nthreads);
+    for (int l = 0; l < num_layers; ++l) {
+        const DecoderLayer& L = layers[l];
+        matmul(L.qkv, h.data(), T, qkv.data(), nthreads);
+        pagellm_rope(qkv.data(), qkv_width, T, H + KV, D, dims->rope_cos, dims->rope_sin, positions, nthreads);
+        const float* k = qkv.data() + H * D;
+        const float* v = k + KV * D;
+        pagellm_write_kv(k, qkv_width, v, qkv_width, T, KV, D, kv_caches[l], num_blocks, block_size, slots);
+        int rc = pagellm_paged_attention(qkv.data(), qkv_width, T, H, D, kv_caches[l], num_blocks, block_size, KV,
+                                         block_tables, table_stride, row_seq, positions, dims->window, dims->scale,
+                                         attn.data(), nthreads);
+        if (rc) return rc;
+        matmul(L.o, attn.data(), T, delta.data(), nthreads);
+        // delta += residual, h = norm(delta): delta is now the residual stream, so swap the names.
+        pagellm_add_rmsnorm(delta.data(), residual.data(), L.post_norm, h.data(), T, C, dims->eps, nthreads);
+        std::swap(delta, residual);
+        matmul(L.gate_up, h.data(), T, gate_up.data(), nthreads);
+        pagellm_silu_mul(gate_up.data(), T, dims->intermediate, act.data(), nthreads);
+        matmul(L.down, act.data(), T, delta.data(), nthreads);
+        const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
+        pagellm_add_rmsnorm(delta.data(), residual.data(), next_norm, h.data(), T, C, dims->eps, nthreads);
+        std::swap(delta, residual);
+    }
+    std::memcpy(x, h.data(), sizeof(float) * T * C);
+    return 0;
+}

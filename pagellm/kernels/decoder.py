@@ -1,0 +1,86 @@
+"""One native call for a whole few-row forward (decode / verification steps) of a Llama-family model
+whose matmuls are all packed. Same kernels and order as the module-by-module native path in
+pagellm/model/models/llama.py (tests check they agree); it only removes the Python between them."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagellm.kernels.build import cpu_kernels
+
+_p = ctypes.c_void_p
+
+
+class PackedMatrix(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("out_features", ctypes.c_int32), ("in_features", ctypes.c_int32),
+                ("qs", _p), ("d", _p), ("m", _p), ("bias", _p)]
+
+
+class DecoderLayer(ctypes.Structure):
+    _fields_ = [("qkv", PackedMatrix), ("o", PackedMatrix), ("gate_up", PackedMatrix), ("down", PackedMatrix),
+                ("input_norm", _p), ("post_norm", _p)]
+
+
+class DecoderDims(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int32), ("heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32),
+                ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32), ("window", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("rope_cos", _p), ("rope_sin", _p)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _matrix(linear) -> PackedMatrix:
+    w = linear.packed
+    return PackedMatrix(0 if w.kind == "q4_1" else 1, w.out_features, w.in_features, w.qs.data_ptr(),
+                        w.d.data_ptr(), _ptr(w.m), _ptr(linear.bias))
+
+
+class NativeDecoder:
+    """Holds raw pointers into the model's tensors: valid while the model lives and is not moved."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.lib = cpu_kernels()
+        self.fn = self.lib.pagellm_decoder_forward
+        self.fn.argtypes = [_p, _p, ctypes.c_int, _p, ctypes.c_int64, ctypes.c_int, _p, _p, ctypes.c_int, _p, _p,
+                            _p, ctypes.c_int64, _p, ctypes.c_int]
+        self.fn.restype = ctypes.c_int
+        self.model = model
+        attn0 = model.layers[0].self_attn
+        self.dims = DecoderDims(cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
+                                cfg.intermediate_size, cfg.sliding_window or 0, model.norm.eps, attn0.scale,
+                                model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr())
+        self.layers = (DecoderLayer * len(model.layers))(*[
+            DecoderLayer(_matrix(layer.self_attn.qkv_proj), _matrix(layer.self_attn.o_proj),
+                         _matrix(layer.mlp.gate_up_proj), _matrix(layer.mlp.down_proj),
+                         layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr())
+            for layer in model.layers])
+        self._kv_key: tuple | None = None
+        self._kv_ptrs = None
+
+    @staticmethod
+    def supports(model) -> bool:
+        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        return cpu_kernels() is not None and all(m.packed is not None for m in linears) and \
+            model.embed_tokens.weight.dtype == torch.float32
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta):
+        """Final normed hidden states [T, hidden], like LlamaForCausalLM.forward."""
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if key != self._kv_key:
+            self._kv_key, self._kv_ptrs = key, (ctypes.c_void_p * len(key))(*key)
+        x = self.model.embed_tokens(input_ids).contiguous()
+        _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        tables = meta.block_tables
+        rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.model.layers), self._kv_ptrs, num_blocks,
+                     block_size, self.model.norm.weight.data_ptr(), x.data_ptr(), x.shape[0], positions.data_ptr(),
+                     meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), meta.row_seq.data_ptr(),
+                     torch.get_num_threads())
+        if rc:
+            raise ValueError("native decoder: unsupported attention shape")
+        return x

@@ -1,0 +1,79 @@
+"""torch-tensor wrappers around the native CPU kernels. Callers check `available(tensor)` first;
+every op has a plain-torch twin in pagellm/model (the slow path, and the reference in tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.kernels.build import cpu_kernels
+from pagellm.model.layers.quant import PackedWeight
+
+ENABLED = True  # tests switch the native path off to compare with the plain-torch one
+
+
+def available(x: torch.Tensor) -> bool:
+    return ENABLED and x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [M, K] (rows may be strided) @ W^T -> [M, N]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    lib, (m, k), n = cpu_kernels(), x.shape, w.out_features
+    y = torch.empty(m, n, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if w.kind == "q4_1":
+        lib.pagellm_q4_1_linear(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(),
+                                n, y.data_ptr(), n, threads)
+    else:
+        lib.pagellm_q8_0_linear(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), n, y.data_ptr(),
+                                n, threads)
+    return y
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += residual (in place, when given); returns rmsnorm(x) * weight. x: contiguous [T, C]."""
+    out = torch.empty_like(x)
+    cpu_kernels().pagellm_add_rmsnorm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+                                      x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+          positions: torch.Tensor) -> None:
+    """Rotates the first num_heads heads of each row of x ([T, >= num_heads * head_dim], row-strided) in place."""
+    cpu_kernels().pagellm_rope(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, cos.data_ptr(),
+                               sin.data_ptr(), positions.data_ptr(), torch.get_num_threads())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=torch.float32)
+    cpu_kernels().pagellm_silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v: [T, KV, D] views whose rows may be strided (slices of the fused qkv output)."""
+    _, num_blocks, block_size, num_kv, head_dim = kv_cache.shape
+    cpu_kernels().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], num_kv,
+                                   head_dim, kv_cache.data_ptr(), num_blocks, block_size, slots.data_ptr())
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
+                    row_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """q: [T, H, D] (rows may be strided); row t attends to keys 0..row_pos[t] of request row_seq[t]."""
+    t, h, d = q.shape
+    _, num_blocks, block_size, num_kv, _ = kv_cache.shape
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = cpu_kernels().pagellm_paged_attention(
+        q.data_ptr(), q.stride(0), t, h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv,
+        block_tables.data_ptr(), block_tables.stride(0), row_seq.data_ptr(), row_pos.data_ptr(), window or 0,
+        scale, out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"paged_attention kernel: unsupported shape (heads {h}, kv heads {num_kv}, head_dim {d})")
+    return out

@@ -1,0 +1,77 @@
+"""Weights kept in GGUF block formats (q4_1, q8_0) for the native few-row kernels.
+
+A `PackedWeight` holds the same numbers as the float32 weight the loader dequantizes (the kernels
+rebuild each weight as d * q (+ m) in float32, the dequantizer's arithmetic), in 4-6x fewer bytes.
+Decode reads every weight once per token, so bytes are time: few-row matmuls use the packed form,
+many-row ones (prefill) the float32 GEMM, which is compute-bound and faster there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32
+PACKED_SUFFIX = ":packed"  # loader stream name of a weight's block form, after its float32 form
+# Few-row products use the packed kernels; beyond this many rows the float32 GEMM is faster
+# (benchmarks/NOTES.md has the measurement behind the number).
+PACKED_MAX_ROWS = 8
+# Bytes per 32-weight block in the file, and where the packed form's parts sit in it.
+FORMATS = {"q4_1": 20, "q8_0": 34}
+
+
+@dataclass
+class PackedWeight:
+    kind: str  # "q4_1" | "q8_0"
+    qs: torch.Tensor  # q4_1: uint8 [N, K/2] (two weights per byte); q8_0: int8 [N, K]
+    d: torch.Tensor  # float32 [N, K/32] block scales
+    m: torch.Tensor | None  # float32 [N, K/32] block minimums (q4_1)
+
+    @property
+    def out_features(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.d.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def rows(self, index: torch.Tensor) -> PackedWeight:
+        """Output rows in a new order (Q/K un-permutation acts on output rows, which blocks never span)."""
+        return PackedWeight(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
+                            None if self.m is None else self.m[index].contiguous())
+
+    @staticmethod
+    def cat(parts: list[PackedWeight]) -> PackedWeight | None:
+        """Stack along output rows (fused q/k/v, gate/up); None when the parts' formats differ."""
+        if len({p.kind for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
+            return None
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return PackedWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32, the same values the GGUF loader produces (for tests)."""
+        n = self.out_features
+        d = self.d.reshape(-1, 1)
+        if self.kind == "q8_0":
+            return (self.qs.reshape(-1, BLOCK).float() * d).reshape(n, -1)
+        q = self.qs.reshape(-1, BLOCK // 2)
+        return (torch.cat([q & 15, q >> 4], dim=1).float() * d + self.m.reshape(-1, 1)).reshape(n, -1)
+
+
+def pack_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
+    """raw: the tensor's bytes as stored in the GGUF file; shape: [N, K] (out, in)."""
+    n, k = shape
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, FORMATS[kind])
+    d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == "q8_0":
+        qs = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8).reshape(n, k))
+        return PackedWeight(kind, qs, d, None)
+    m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    qs = torch.from_numpy(blocks[:, :, 4:].copy().reshape(n, k // 2))
+    return PackedWeight(kind, qs, d, m)
