@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint serve bench clean
+.PHONY: install test lint serve bench peers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ serve: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/pagellm bench throughput --json benchmarks/results/throughput.json
+
+# Optional peer engines for `pagellm bench throughput|latency --peer transformers --peer llama.cpp`.
+# llama-cpp-python compiles llama.cpp from source: about 4+ minutes on a 2-core machine.
+peers: $(STAMP)
+	$(PIP) install -e '.[peers]'
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -22,7 +22,11 @@ def add_bench_parser(sub, add_engine_args) -> None:
                    help="output length range, uniform (default 16 256)")
     t.add_argument("--workload-seed", type=int, default=0, help="random.Random seed of the workload")
     t.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    t.add_argument("--plot", default=None, metavar="PATH.png", help="draw output tok/s per engine")
     add_engine_args(t)
+    from pagellm.bench.peers import add_peer_args
+
+    add_peer_args(t)
     t.set_defaults(func=_throughput)
     from pagellm.bench.memory import add_memory_parser
 
@@ -45,6 +49,10 @@ def _throughput(ns: argparse.Namespace) -> int:
     from pagellm.bench.workload import random_workload
     from pagellm.cli import engine_args_from
 
+    if ns.peer:  # every engine in its own process, one table
+        from pagellm.bench.peers import throughput_with_peers
+
+        return throughput_with_peers(ns)
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args_from(ns)))
     ready = time.perf_counter() - t0
@@ -58,12 +66,33 @@ def _throughput(ns: argparse.Namespace) -> int:
               "results": [result]}
     for k, v in result.items():
         print(f"{k:>22}: {v}")
+    report["roofline"] = _throughput_roofline(llm.engine.model_config, workload, [result])
     if ns.json:
         os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
         with open(ns.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
         print(f"wrote {ns.json}")
+    if ns.plot:
+        from pagellm.bench.peers import plot_engines
+
+        plot_engines([result], "output_tokens_per_s", "output tokens/s (higher is better)", False, ns.plot,
+                     "pagellm bench throughput")
+        print(f"wrote {ns.plot}")
     return 0
+
+
+def _throughput_roofline(cfg, workload, results: list[dict]) -> dict:
+    """Measured after the runs (never during them), with the threads the engines used; prints its lines."""
+    from pagellm.bench import roofline
+
+    machine = roofline.measure_machine(results[0].get("threads"))
+    print(roofline.machine_line(machine))
+    requests = [(len(r.prompt_token_ids), r.output_len) for r in workload]
+    engines = {}
+    for r in results:
+        engines[r["engine"]] = fl = roofline.throughput_floor(cfg, requests, machine, r["output_tokens_per_s"])
+        print(roofline.throughput_line(r["engine"], fl))
+    return {"machine": machine, "engines": engines}
 
 
 def _machine() -> dict:

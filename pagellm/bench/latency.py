@@ -45,17 +45,19 @@ def add_latency_parser(bsub, add_engine_args) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw decode tok/s per batch size")
     add_engine_args(p)
+    from pagellm.bench.peers import add_peer_args
+
+    add_peer_args(p)
     p.set_defaults(func=run_latency)
 
 
-def _prompts(llm, task: str, input_len: int, batch: int) -> list[list[int]]:
-    tok = llm.engine.tokenizer
+def _prompts(tok, vocab: int, task: str, input_len: int, batch: int) -> list[list[int]]:
+    """The prompts' token ids; a pagellm Tokenizer `tok`, so peers can get them without loading a model."""
     if task == "grounded":
         text = tok.apply_chat_template([{"role": "user", "content": GROUNDED_PROMPT}], add_generation_prompt=True)
         return [tok.encode(text, add_special_tokens=False)] * batch
     from pagellm.bench.workload import random_workload
 
-    vocab = llm.engine.model_config.vocab_size
     return [r.prompt_token_ids for r in random_workload(batch, vocab, (input_len, input_len), (1, 1), seed=0)]
 
 
@@ -88,11 +90,16 @@ def _measure(engine_kwargs: dict, ns, batch: int) -> dict:
     from pagellm import LLM
 
     llm = LLM(**engine_kwargs)
-    prompts = _prompts(llm, ns.task, ns.input_len, batch)
+    prompts = _prompts(llm.engine.tokenizer, llm.engine.model_config.vocab_size, ns.task, ns.input_len, batch)
     ignore_eos = ns.task == "random"
     _one_run(llm, prompts[:1], 8, ignore_eos)  # warm-up
     runs = [_one_run(llm, prompts, ns.output_len, ignore_eos) for _ in range(ns.num_iters)]
     st = llm.engine.scheduler.stats
+    from pagellm.bench.roofline import pagellm_weight_bytes
+
+    eng = llm.engine
+    # what the roofline needs from the engine; run_latency moves it out of the row
+    bytes_ = (pagellm_weight_bytes(eng.model), eng.bytes_per_block // eng.kv_cache.block_size)
     res = {
         "batch_size": batch,
         "prompt_tokens": len(prompts[0]),
@@ -100,6 +107,7 @@ def _measure(engine_kwargs: dict, ns, batch: int) -> dict:
         "ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in runs), 1),
         "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in runs), 2),
         "token_ids": runs[0]["token_ids"],
+        "_bytes": bytes_,
     }
     if st.num_draft_tokens:
         res["draft_tokens"] = st.num_draft_tokens
@@ -113,6 +121,10 @@ def _measure(engine_kwargs: dict, ns, batch: int) -> dict:
 def run_latency(ns: argparse.Namespace) -> int:
     from pagellm.cli import engine_args_from
 
+    if ns.peer:  # every engine in its own process, one table; all of them ignore EOS
+        from pagellm.bench.peers import latency_with_peers
+
+        return latency_with_peers(ns)
     args = vars(engine_args_from(ns))
     spec_method = args.get("speculative_method")
     rows = []
@@ -126,11 +138,13 @@ def run_latency(ns: argparse.Namespace) -> int:
             row["speculative"] = spec
         rows.append(row)
     _print_table(rows, spec_method)
+    rl = _roofline(rows, spec_method, args["model"], args.get("num_threads"))
     for r in rows:  # token ids only served the identity check
         for k in ("baseline", "speculative"):
             r.get(k, {}).pop("token_ids", None)
+            r.get(k, {}).pop("_bytes", None)
     report = {"benchmark": "latency", "date": time.strftime("%Y-%m-%d"), "task": ns.task,
-              "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": args, "results": rows}
+              "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": args, "results": rows, "roofline": rl}
     if ns.json:
         os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
         with open(ns.json, "w") as f:
@@ -140,6 +154,22 @@ def run_latency(ns: argparse.Namespace) -> int:
         _plot(rows, spec_method, ns.plot)
         print(f"wrote {ns.plot}")
     return 0
+
+
+def _roofline(rows: list[dict], spec_method: str | None, model: str, threads: int | None) -> dict:
+    """Decode floors of the baseline rows (a speculative step yields several tokens, so its figure may pass
+    the one-token-per-step floor: its ratio is reported as well, as the speculative row's)."""
+    from pagellm.bench import roofline
+    from pagellm.bench.peers import latency_roofline
+    from pagellm.model.loader import load_config, resolve_model_path
+
+    weight_bytes, kv_per_token = rows[0]["baseline"]["_bytes"]  # every batch size loads the same model
+    rl = latency_roofline(load_config(resolve_model_path(model)),
+                          {"pagellm": (weight_bytes, kv_per_token, [r["baseline"] for r in rows])}, threads)
+    if spec_method:
+        for r, fl in zip(rows, rl["engines"]["pagellm"]["decode"], strict=True):
+            fl["speculative_measured_over_floor"] = roofline._sig(r["speculative"]["decode_tok_s"] / fl["floor_tok_s"])
+    return rl
 
 
 def _print_table(rows: list[dict], spec_method: str | None) -> None:

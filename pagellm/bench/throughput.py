@@ -7,12 +7,19 @@ import time
 from pagellm.bench.workload import BenchRequest
 
 
-def run_pagellm_throughput(llm, workload: list[BenchRequest]) -> dict:
+def warm_up_pagellm(llm, prompts: list[list[int]]) -> None:
+    from pagellm import SamplingParams
+
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+
+
+def run_pagellm_throughput(llm, workload: list[BenchRequest], warm_up: bool = True) -> dict:
     from pagellm import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    if warm_up:
+        warm_up_pagellm(llm, prompts)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0

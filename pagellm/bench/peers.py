@@ -1,0 +1,303 @@
+"""`pagellm bench throughput|latency --peer transformers --peer llama.cpp`: the same workload through other
+engines, one table.
+
+Every engine (pagellm too) runs in its own child process, `python -m pagellm.bench.peers ENGINE SPEC.json`
+(SPEC "-" reads stdin), which prints one result line prefixed with RESULT_MARKER. Separate processes keep
+engines from sharing threads, allocator state or imported libraries, and make each one's peak RSS its own.
+The parent only builds the workload (token ids, from `random_workload` or the latency bench's `_prompts`),
+so every engine decodes exactly the same ids, greedy, ignoring EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+PEERS = ("transformers", "llama.cpp")
+RESULT_MARKER = "PAGELLM_PEER_RESULT "
+
+
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("peers (compare with other engines on the same workload)")
+    g.add_argument("--peer", action="append", choices=PEERS, default=[],
+                   help="also run this engine (repeatable); a peer that is not installed is skipped (make peers)")
+    g.add_argument("--peer-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="transformers' dtype (llama.cpp runs the GGUF's weights as stored)")
+    g.add_argument("--peer-batch-size", type=int, default=16, help="transformers' static batch size (throughput)")
+    g.add_argument("--peer-parallel", type=int, default=64,
+                   help="llama.cpp's concurrent sequences, n_seq_max (throughput)")
+
+
+# ---------------------------------------------------------------- parent: spawn children, collect, report
+
+def run_engine_child(engine: str, spec: dict) -> dict:
+    """One engine in a fresh `python -m pagellm.bench.peers` process; its stderr is shown only if it fails."""
+    spec = dict(spec, spawn_time=time.time())  # "ready after" counts from here, interpreter start included
+    print(f"running {engine} ...", flush=True)
+    proc = subprocess.run([sys.executable, "-m", "pagellm.bench.peers", engine, "-"], input=json.dumps(spec),
+                          capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return json.loads(line[len(RESULT_MARKER):])
+    tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+    return {"engine": engine, "failed": f"exit code {proc.returncode}", "stderr_tail": tail}
+
+
+def _base_spec(ns: argparse.Namespace) -> tuple[dict, str]:
+    from pagellm.cli import engine_args_from
+    from pagellm.model.loader import resolve_model_path
+
+    engine_args = vars(engine_args_from(ns))
+    path = resolve_model_path(engine_args["model"])
+    threads = engine_args.get("num_threads")
+    if not threads:  # one thread count for every engine: torch's default, as pagellm itself would use
+        import torch
+
+        threads = torch.get_num_threads()
+    spec = {"model": path, "engine_args": dict(engine_args, model=path, num_threads=threads), "threads": threads,
+            "peer_dtype": ns.peer_dtype, "peer_batch_size": ns.peer_batch_size, "peer_parallel": ns.peer_parallel}
+    return spec, path
+
+
+def _run_all(ns: argparse.Namespace, spec: dict) -> tuple[list[dict], list[str], list[dict]]:
+    engines = ["pagellm"] + list(dict.fromkeys(ns.peer))  # repeated --peer runs once
+    results, skipped, failed = [], [], []
+    for engine in engines:
+        res = run_engine_child(engine, spec)
+        if "skipped" in res:
+            print(f"skipping {engine}: {res['skipped']}")
+            skipped.append(f"{engine}: {res['skipped']}")
+        elif "failed" in res:
+            if engine == "pagellm":  # nothing to compare with: stop before running the peers
+                print(f"pagellm failed ({res['failed']}):\n{res['stderr_tail']}", file=sys.stderr)
+                return [], skipped, [res]
+            print(f"{engine} failed ({res['failed']}):\n{res['stderr_tail']}", file=sys.stderr)
+            failed.append(res)
+        else:
+            results.append(res)
+    return results, skipped, failed
+
+
+def throughput_with_peers(ns: argparse.Namespace) -> int:
+    from pagellm.bench.cli import _throughput_roofline
+    from pagellm.bench.workload import random_workload
+    from pagellm.model.loader import load_config
+
+    spec, path = _base_spec(ns)
+    cfg = load_config(path)
+    workload = random_workload(ns.num_prompts, cfg.vocab_size, tuple(ns.input_len), tuple(ns.output_len),
+                               ns.workload_seed)
+    spec.update(mode="throughput", requests=[[r.prompt_token_ids, r.output_len] for r in workload])
+    results, skipped, failed = _run_all(ns, spec)
+    if not results:
+        return 1
+    main = results[0]["output_tokens_per_s"]
+    for r in results:
+        r["pagellm_over_engine"] = round(main / r["output_tokens_per_s"], 2)
+    print(f"{'engine':<13} {'elapsed s':>9} {'out tok/s':>9} {'total tok/s':>11} {'ready s':>7} {'peak RSS':>9} "
+          f"{'pagellm/peer':>12}")
+    for r in results:
+        print(f"{r['engine']:<13} {r['elapsed_s']:>9} {r['output_tokens_per_s']:>9} {r['total_tokens_per_s']:>11} "
+              f"{r['ready_s']:>7} {_mib(r):>9} {r['pagellm_over_engine']:>11}x")
+    rl = _throughput_roofline(cfg, workload, results)
+    print(_memory_line(results))
+    report = _report(ns, "throughput", spec, results, skipped, failed)
+    report["roofline"] = rl
+    _write(ns, report, results, "output_tokens_per_s", "output tokens/s (higher is better)", by_batch=False)
+    return 1 if failed else 0
+
+
+def latency_with_peers(ns: argparse.Namespace) -> int:
+    from pagellm.bench.latency import _prompts
+    from pagellm.model.loader import load_config
+    from pagellm.tokenizer import Tokenizer
+
+    spec, path = _base_spec(ns)
+    tok = Tokenizer.from_path(ns.tokenizer or path)
+    cfg = load_config(path)
+    vocab = cfg.vocab_size
+    batches = [{"batch_size": b, "prompts": _prompts(tok, vocab, ns.task, ns.input_len, b)} for b in ns.batch_sizes]
+    spec.update(mode="latency", batches=batches, output_len=ns.output_len, num_iters=ns.num_iters)
+    results, skipped, failed = _run_all(ns, spec)
+    if not results:
+        return 1
+    base = {row["batch_size"]: row for row in results[0]["results"]}
+    print(f"{'engine':<13} {'batch':>5} {'TTFT ms':>8} {'decode tok/s':>12} {'pagellm/peer':>12} {'same tokens':>11} "
+          f"{'ready s':>7} {'peak RSS':>9}")
+    for r in results:
+        for row in r["results"]:
+            ref = base[row["batch_size"]]
+            row["pagellm_over_engine"] = round(ref["decode_tok_s"] / row["decode_tok_s"], 2)
+            # Share of greedy tokens equal to pagellm's, request by request (dequantized fp32 engines should
+            # agree closely; llama.cpp's quantized matmuls drift after a while).
+            pairs = [(a, b) for x, y in zip(ref["token_ids"], row["token_ids"], strict=True)
+                     for a, b in zip(x, y, strict=True)]
+            row["same_tokens_as_pagellm"] = round(sum(a == b for a, b in pairs) / max(len(pairs), 1), 3)
+            print(f"{r['engine']:<13} {row['batch_size']:>5} {row['ttft_ms']:>8} {row['decode_tok_s']:>12} "
+                  f"{row['pagellm_over_engine']:>11}x {row['same_tokens_as_pagellm']:>11} {r['ready_s']:>7} "
+                  f"{_mib(r):>9}")
+    for r in results:
+        for row in r["results"]:
+            row.pop("token_ids")
+    rl = latency_roofline(cfg, {r["engine"]: (r["weight_bytes_per_step"], r["kv_bytes_per_token"], r["results"])
+                                for r in results}, spec["threads"])
+    print(_memory_line(results))
+    spec.pop("batches")
+    report = _report(ns, "latency", spec, results, skipped, failed)
+    report["roofline"] = rl
+    report["task"] = ns.task
+    _write(ns, report, results, "decode_tok_s", "decode tokens/s (higher is better)", by_batch=True)
+    return 1 if failed else 0
+
+
+def latency_roofline(cfg, engines: dict[str, tuple[int, int, list[dict]]], threads: int | None) -> dict:
+    """Decode floors of every engine's latency rows; engines: name -> (weight bytes per step, KV bytes per
+    token, rows with batch_size, prompt_tokens, output_tokens, decode_tok_s). Prints one line per row."""
+    from pagellm.bench import roofline
+
+    machine = roofline.measure_machine(threads)  # after every engine ran, so nothing competes with it
+    print(roofline.machine_line(machine))
+    out = {}
+    for name, (weight_bytes, kv_per_token, rows) in engines.items():
+        floors = []
+        for row in rows:
+            b = row["batch_size"]
+            fl = roofline.decode_floor(cfg, weight_bytes, kv_per_token, row["prompt_tokens"], row["output_tokens"] / b,
+                                       b, machine, row["decode_tok_s"])
+            floors.append(fl)
+            print(roofline.decode_line(name, fl))
+        out[name] = {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_per_token, "decode": floors}
+    return {"machine": machine, "engines": out}
+
+
+def _weight_bytes_per_step(engine: str, eng, spec: dict) -> int:
+    """Weight bytes one decode step streams, as each engine stores them."""
+    if engine == "llama.cpp":  # the GGUF's tensors as stored; its metadata is a few KiB of the file
+        return os.path.getsize(spec["model"])
+    from pagellm.bench import roofline
+
+    if engine == "pagellm":
+        return roofline.pagellm_weight_bytes(eng.llm.engine.model)
+    from pagellm.model.loader import load_config
+
+    return roofline.dense_weight_bytes(load_config(spec["model"]), 2 if spec.get("peer_dtype") == "bfloat16" else 4)
+
+
+def _mib(r: dict) -> str:
+    return f"{r['peak_rss_mib']:.0f} MiB"
+
+
+def _memory_line(results: list[dict]) -> str:
+    rss = ", ".join(f"{r['engine']} {r['peak_rss_mib']:.0f} MiB" for r in results)
+    p = results[0]
+    kv = "".join(f", {r['engine']} {r['kv_bytes_per_token']} ({r['dtype']})" for r in results[1:])
+    return (f"memory: peak RSS {rss}; KV bytes/token: pagellm {p['kv_bytes_per_token']} ({p['dtype']}, "
+            f"{p['kv_cache_bytes'] / 2**20:.0f} MiB preallocated){kv}")
+
+
+def _report(ns, benchmark: str, spec: dict, results, skipped, failed) -> dict:
+    from pagellm.bench.cli import _machine
+
+    spec = {k: v for k, v in spec.items() if k not in ("requests", "spawn_time")}
+    return {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+            "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": spec.pop("engine_args"),
+            "peer_settings": spec, "results": results, "skipped": skipped, "failed": failed}
+
+
+def _write(ns, report: dict, results: list[dict], metric: str, label: str, by_batch: bool) -> None:
+    if ns.json:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
+        with open(ns.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        print(f"wrote {ns.json}")
+    if ns.plot:
+        model = os.path.basename(report["engine_args"]["model"].rstrip("/"))
+        plot_engines(results, metric, label, by_batch, ns.plot, f"pagellm bench {report['benchmark']}: {model}")
+        print(f"wrote {ns.plot}")
+
+
+def plot_engines(results: list[dict], metric: str, label: str, by_batch: bool, path: str, title: str) -> None:
+    """Grouped bars: one group per batch size (latency) or a single group (throughput), one bar per engine."""
+    from matplotlib.figure import Figure
+
+    groups = sorted({row["batch_size"] for r in results for row in r["results"]}) if by_batch else [None]
+    fig = Figure(figsize=(6.5, 4), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(results)
+    for j, r in enumerate(results):
+        rows = {row["batch_size"]: row for row in r["results"]} if by_batch else {None: r}
+        xs = [i + (j - (len(results) - 1) / 2) * width for i, g in enumerate(groups) if g in rows]
+        ys = [rows[g][metric] for g in groups if g in rows]
+        bars = ax.bar(xs, ys, width, label=r["engine"])
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xticks(range(len(groups)), [f"batch {g}" for g in groups] if by_batch else ["all requests"])
+    ax.set_ylabel(label)
+    ax.set_title(title)
+    ax.legend()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------- child: one engine, one JSON line
+
+def run_child(engine: str, spec: dict) -> dict:
+    from pagellm.bench.peer_engines import ENGINES, PeerUnavailable
+    from pagellm.bench.throughput import summarize
+    from pagellm.bench.workload import BenchRequest
+
+    spawned = spec.get("spawn_time", time.time())
+    try:
+        eng = ENGINES[engine](spec)
+    except PeerUnavailable as e:
+        return {"engine": engine, "skipped": str(e)}
+    first_prompt = spec["requests"][0][0] if spec["mode"] == "throughput" else spec["batches"][0]["prompts"][0]
+    eng.warm_up(first_prompt)
+    ready = time.time() - spawned
+    if spec["mode"] == "throughput":
+        workload = [BenchRequest(p, n) for p, n in spec["requests"]]
+        run = eng.throughput(workload)
+        if run["generated_tokens"] < sum(r.output_len for r in workload):
+            raise RuntimeError(f"{engine} generated {run['generated_tokens']} tokens, fewer than the workload's")
+        res = summarize(engine, workload, run["elapsed_s"])  # counts each request's own output_len
+        res["generated_tokens"] = run["generated_tokens"]
+    else:
+        res = {"engine": engine, "output_len": spec["output_len"], "results": []}
+        for b in spec["batches"]:
+            runs = [eng.latency(b["prompts"], spec["output_len"]) for _ in range(spec["num_iters"])]
+            n_out = runs[0]["output_tokens"]
+            if n_out != spec["output_len"] * len(b["prompts"]):
+                raise RuntimeError(f"{engine} produced {n_out} tokens at batch {len(b['prompts'])}")
+            res["results"].append({
+                "batch_size": b["batch_size"], "prompt_tokens": len(b["prompts"][0]), "output_tokens": n_out,
+                "ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in runs), 1),
+                "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in runs), 2),
+                "token_ids": runs[0]["token_ids"]})
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    res.update(method=eng.method, ready_s=round(ready, 2), peak_rss_mib=round(rss, 1), threads=spec["threads"],
+               torch_imported="torch" in sys.modules, weight_bytes_per_step=_weight_bytes_per_step(engine, eng, spec),
+               **eng.info)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in ("pagellm", *PEERS):
+        print(f"usage: python -m pagellm.bench.peers {{pagellm,{','.join(PEERS)}}} SPEC.json|-", file=sys.stderr)
+        return 2
+    if argv[1] == "-":
+        spec = json.load(sys.stdin)
+    else:
+        with open(argv[1]) as f:
+            spec = json.load(f)
+    print(RESULT_MARKER + json.dumps(run_child(argv[0], spec)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
