@@ -23,7 +23,8 @@ import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share i
 
 log = logging.getLogger(__name__)
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17"]
+HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -54,7 +55,7 @@ def _compiler() -> str | None:
 def _build(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
-    for part in [version, _cpu_flags(), " ".join(FLAGS), *(s.read_text() for s in SOURCES)]:
+    for part in [version, _cpu_flags(), " ".join(FLAGS), *(s.read_text() for s in SOURCES + HEADERS)]:
         key.update(part.encode())
     cache = Path(os.environ.get("PAGELLM_CACHE_DIR", Path.home() / ".cache" / "pagellm")) / "kernels"
     lib = cache / f"pagellm_cpu_{key.hexdigest()[:16]}.so"

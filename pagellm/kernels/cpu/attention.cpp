@@ -5,27 +5,52 @@
 // rows, speculative verification rows and prefill chunks alike.
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <vector>
+
+#include "simd.h"
 
 namespace {
 
-constexpr int kMaxGroup = 16;     // query heads per KV head
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeads = 128;  // query heads
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
 
 inline float dot(const float* a, const float* b, int n) {
+    int i = 0;
     float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; ++i) s += a[i] * b[i];
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; ++i) s += a[i] * b[i];
     return s;
 }
 
 inline void axpy(float a, const float* x, float* y, int n) {
-#pragma omp simd
-    for (int i = 0; i < n; ++i) y[i] += a * x[i];
+    int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 va = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; ++i) y[i] += a * x[i];
 }
 
 inline void scale(float a, float* y, int n) {
-#pragma omp simd
     for (int i = 0; i < n; ++i) y[i] *= a;
 }
 
@@ -41,61 +66,124 @@ extern "C" void pagellm_write_kv(const float* k, int64_t ldk, const float* v, in
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+namespace {
+
+inline float softmax_numerators(float* p, int64_t n, float max) {
+    __m256 vmax = _mm256_set1_ps(max), vsum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vmax));
+        _mm256_storeu_ps(p + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum8(vsum);
+    for (; i < n; ++i) {
+        p[i] = std::exp(p[i] - max);
+        sum += p[i];
+    }
+    return sum;
+}
+
+}  // namespace
+#else
+namespace {
+inline float softmax_numerators(float* p, int64_t n, float max) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+        p[i] = std::exp(p[i] - max);
+        sum += p[i];
+    }
+    return sum;
+}
+}  // namespace
+#endif
+
+namespace {
+
+struct AttentionArgs {
+    const float* q;
+    int64_t ldq;
+    int H, D, G, KV, block_size, window;
+    const float* kv;
+    int64_t plane, stride;  // offset of the values; distance between consecutive tokens of a block
+    const int64_t* block_tables;
+    int64_t table_stride;
+    const int64_t* row_seq;
+    const int64_t* row_pos;
+    float scale;
+    float* out;
+};
+
+// Query row t against its keys, for KV heads [h0, h1). Two passes: every score (each key read once
+// for all its query heads), a vectorized softmax, then the weighted sum of values. Keys are walked
+// block by block; with all heads at once, each block is one contiguous read the prefetcher follows.
+void attend_row(const AttentionArgs& a, int t, int h0, int h1, float* scores, int64_t max_keys) {
+    const int D = a.D, G = a.G, bs = a.block_size;
+    const int64_t* table = a.block_tables + a.row_seq[t] * a.table_stride;
+    const int64_t pos = a.row_pos[t];
+    const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
+    const int heads = (h1 - h0) * G;
+    float row_max[kMaxHeads], inv_sum[kMaxHeads];
+    for (int i = 0; i < heads; ++i) row_max[i] = -INFINITY;
+    for (int64_t j = first; j <= pos;) {
+        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
+        const float* k = a.kv + (table[j / bs] * bs + j % bs) * a.stride;
+        for (int64_t i = j - first; i < j - first + count; ++i, k += a.stride) {
+            for (int h = h0; h < h1; ++h) {
+                for (int g = 0; g < G; ++g) {
+                    const int head = (h - h0) * G + g;
+                    const float s = dot(a.q + t * a.ldq + (int64_t)(h * G + g) * D, k + (int64_t)h * D, D) * a.scale;
+                    scores[head * max_keys + i] = s;
+                    row_max[head] = s > row_max[head] ? s : row_max[head];
+                }
+            }
+        }
+        j += count;
+    }
+    const int64_t n = pos + 1 - first;
+    for (int i = 0; i < heads; ++i) inv_sum[i] = 1.f / softmax_numerators(scores + i * max_keys, n, row_max[i]);
+    float* o = a.out + ((int64_t)t * a.H + h0 * G) * D;
+    std::memset(o, 0, sizeof(float) * heads * D);
+    for (int64_t j = first; j <= pos;) {
+        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
+        const float* v = a.kv + a.plane + (table[j / bs] * bs + j % bs) * a.stride;
+        for (int64_t i = j - first; i < j - first + count; ++i, v += a.stride)
+            for (int h = h0; h < h1; ++h)
+                for (int g = 0; g < G; ++g) {
+                    const int head = (h - h0) * G + g;
+                    axpy(scores[head * max_keys + i], v + (int64_t)h * D, o + head * D, D);
+                }
+        j += count;
+    }
+    for (int i = 0; i < heads; ++i) scale(inv_sum[i], o + i * D, D);
+}
+
+}  // namespace
+
 // q: [T, H, D] with row stride ldq; out: [T, H, D] contiguous. Returns 0, or -1 for unsupported shapes.
 extern "C" int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const float* kv,
                                        int64_t num_blocks, int block_size, int KV, const int64_t* block_tables,
                                        int64_t table_stride, const int64_t* row_seq, const int64_t* row_pos,
                                        int window, float softmax_scale, float* out, int nthreads) {
-    const int G = H / KV;
-    if (G > kMaxGroup || D > kMaxHeadDim || H % KV) return -1;
-    const int64_t plane = num_blocks * block_size * KV * D;
-#pragma omp parallel for schedule(dynamic, 1) collapse(2) num_threads(nthreads)
-    for (int t = 0; t < T; ++t) {
-        for (int h = 0; h < KV; ++h) {
-            const int64_t* table = block_tables + row_seq[t] * table_stride;
-            const int64_t pos = row_pos[t];
-            const int64_t first = window > 0 && pos + 1 > window ? pos + 1 - window : 0;
-            const float* qh = q + t * ldq + (int64_t)h * G * D;
-            float acc[kMaxGroup][kMaxHeadDim];
-            float run_max[kMaxGroup], run_sum[kMaxGroup];
-            for (int g = 0; g < G; ++g) {
-                run_max[g] = -INFINITY;
-                run_sum[g] = 0.f;
-                std::memset(acc[g], 0, sizeof(float) * D);
-            }
-            // One block at a time: score its keys, rescale the running sums once, then add the values.
-            for (int64_t j0 = first; j0 <= pos; ) {
-                const int64_t block = table[j0 / block_size];
-                const int off0 = (int)(j0 % block_size);
-                const int n = (int)std::min<int64_t>(block_size - off0, pos + 1 - j0);
-                const float* kb = kv + (block * block_size + off0) * KV * D + (int64_t)h * D;
-                const float* vb = kb + plane;
-                float s[kMaxGroup][256];
-                for (int g = 0; g < G; ++g) {
-                    float bmax = -INFINITY;
-                    for (int i = 0; i < n; ++i) {
-                        s[g][i] = dot(qh + g * D, kb + (int64_t)i * KV * D, D) * softmax_scale;
-                        bmax = s[g][i] > bmax ? s[g][i] : bmax;
-                    }
-                    const float new_max = bmax > run_max[g] ? bmax : run_max[g];
-                    const float correction = std::exp(run_max[g] - new_max);
-                    run_sum[g] *= correction;
-                    scale(correction, acc[g], D);
-                    run_max[g] = new_max;
-                    for (int i = 0; i < n; ++i) {
-                        const float p = std::exp(s[g][i] - new_max);
-                        run_sum[g] += p;
-                        axpy(p, vb + (int64_t)i * KV * D, acc[g], D);
-                    }
-                }
-                j0 += n;
-            }
-            for (int g = 0; g < G; ++g) {
-                float* o = out + ((int64_t)t * H + h * G + g) * D;
-                const float inv = 1.f / run_sum[g];
-#pragma omp simd
-                for (int i = 0; i < D; ++i) o[i] = acc[g][i] * inv;
-            }
+    if (H > kMaxHeads || H % KV) return -1;
+    const AttentionArgs a{q, ldq, H, D, H / KV, KV, block_size, window, kv, num_blocks * block_size * KV * D,
+                          (int64_t)KV * D, block_tables, table_stride, row_seq, row_pos, softmax_scale, out};
+    int64_t max_keys = 0;
+    for (int t = 0; t < T; ++t) max_keys = std::max(max_keys, row_pos[t] + 1);
+    // Enough rows: one row (all heads) per work item, for contiguous reads. Few rows (batch-1 decode):
+    // split heads across threads too, or the other threads would idle.
+    const bool by_row = T >= 2 * nthreads;
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> scores((size_t)(by_row ? H : H / KV) * max_keys);
+        if (by_row) {
+#pragma omp for schedule(dynamic, 1)
+            for (int t = 0; t < T; ++t) attend_row(a, t, 0, KV, scores.data(), max_keys);
+        } else {
+#pragma omp for schedule(dynamic, 1) collapse(2)
+            for (int t = 0; t < T; ++t)
+                for (int h = 0; h < KV; ++h) attend_row(a, t, h, h + 1, scores.data(), max_keys);
         }
     }
     return 0;

@@ -1,8 +1,10 @@
 // The small per-token ops of a decoder layer, fused so that a decode step makes a few calls per
 // layer instead of dozens of tensor ops. Arithmetic follows the torch modules they replace
-// (pagellm/model/layers), operation by operation; only summation order differs.
+// (pagellm/model/layers), operation by operation; only rounding differs (summation order, fused multiply-adds).
 #include <cmath>
 #include <cstdint>
+
+#include "simd.h"
 
 // x (in place) += residual when residual is given; out = x * rsqrt(mean(x^2) + eps) * weight.
 extern "C" void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, float* out, int T, int C,
@@ -52,6 +54,15 @@ extern "C" void pagellm_silu_mul(const float* gate_up, int T, int I, float* out,
     for (int t = 0; t < T; ++t) {
         const float* g = gate_up + (int64_t)t * 2 * I;
         float* o = out + (int64_t)t * I;
-        for (int i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+        int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(g + I + i)));
+        }
+#endif
+        for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
     }
 }
