@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/microbench_packed.py
 
 Uses SmolLM2's 30 real q4_1 gate/up matrices (fused, [3072, 576]) so weights stream from memory as in
-a decode step; milliseconds for all 30 products (median of 5). This is what sets PACKED_MAX_ROWS.
+a decode step; milliseconds for all 30 products (median of 7). This is what sets PACKED_MAX_ROWS.
 Run it alone: the machine has 2 cores.
 """
 
@@ -19,16 +19,6 @@ from pagellm.model.loader.gguf_loader import dequantize_tensor
 from pagellm.model.loader.gguf_reader import GGUFFile
 
 
-def ms(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
-
 def main() -> None:
     gf = GGUFFile(resolve_model_path(None))
     packed, wts = [], []
@@ -36,17 +26,25 @@ def main() -> None:
         names = [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"]
         packed.append(PackedWeight.cat([pack_gguf_blocks("q4_1", gf.raw(n), gf.tensors[n].shape) for n in names]))
         wts.append(torch.cat([dequantize_tensor(gf, n) for n in names]).t().contiguous())
-    fp32_bytes = sum(w.numel() * 4 for w in wts)
-    print(f"threads {torch.get_num_threads()}; float32 weights {fp32_bytes / 2**20:.0f} MiB, "
+    print(f"threads {torch.get_num_threads()}; float32 weights {sum(w.numel() * 4 for w in wts) / 2**20:.0f} MiB, "
           f"packed {sum(p.nbytes for p in packed) / 2**20:.0f} MiB")
-    print("| rows | packed q4_1 | float32 x @ W_t | numpy (OpenBLAS) | packed GB/s equiv. |")
-    print("|---|---|---|---|---|")
-    for m in (1, 2, 4, 7, 8, 12, 16, 32, 64):
-        x = torch.randn(m, 576)
-        tp = ms(lambda x=x: [ops.packed_linear(x, p) for p in packed])
-        tf = ms(lambda x=x: [x @ w for w in wts])
-        tn = ms(lambda x=x: [x.numpy() @ w.numpy() for w in wts])
-        print(f"| {m} | {tp:.1f} | {tf:.1f} | {tn:.1f} | {fp32_bytes / tp / 1e6:.0f} |")
+    rows = (1, 4, 8, 12, 16, 20, 24, 32, 48, 64)
+    times = {m: ([], []) for m in rows}
+    xs = {m: torch.randn(m, 576) for m in rows}
+    for _ in range(7):  # interleaved, so drifts in machine load hit every row count alike
+        for m in rows:
+            t = time.perf_counter()
+            for p in packed:
+                ops.packed_linear(xs[m], p)
+            times[m][0].append(1e3 * (time.perf_counter() - t))
+            t = time.perf_counter()
+            for w in wts:
+                xs[m] @ w
+            times[m][1].append(1e3 * (time.perf_counter() - t))
+    print("| rows | packed q4_1 (ms) | float32 x @ W_t (ms) |")
+    print("|---|---|---|")
+    for m, (tp, tf) in times.items():
+        print(f"| {m} | {statistics.median(tp):.1f} | {statistics.median(tf):.1f} |")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def _random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.nd
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 20])
 def test_packed_linear_matches_float32_weights(kind, rows):
     rng = np.random.default_rng(rows)
     n, k = 80, 96

@@ -17,7 +17,7 @@ BLOCK = 32
 PACKED_SUFFIX = ":packed"  # loader stream name of a weight's block form, after its float32 form
 # Few-row products use the packed kernels; beyond this many rows the float32 GEMM is faster
 # (benchmarks/NOTES.md has the measurement behind the number).
-PACKED_MAX_ROWS = 8
+PACKED_MAX_ROWS = 20
 # Bytes per 32-weight block in the file, and where the packed form's parts sit in it.
 FORMATS = {"q4_1": 20, "q8_0": 34}
 
