@@ -160,6 +160,9 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str = "256MiB"
     attention_backend: str = "auto"
+    # One-row packed matmuls round activations to int8 per 32 values (llama.cpp's scheme): faster
+    # single-stream decode on the CPU, logprobs no longer float32-exact (see tests/test_kernels.py).
+    int8_activations: bool = False
     num_threads: int | None = None
     speculative_method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 4

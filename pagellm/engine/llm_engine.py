@@ -100,6 +100,9 @@ class LLMEngine:
         self.model_config = cfg = load_config(path)
         self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
         self.model = load_model(path, cfg, dtype, self.device)
+        for m in self.model.modules():
+            if hasattr(m, "int8_activations"):
+                m.int8_activations = args.int8_activations
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             m.packed.nbytes for m in self.model.modules() if getattr(m, "packed", None) is not None)
 

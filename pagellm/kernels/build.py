@@ -31,6 +31,8 @@ SIGNATURES = {
     "pagellm_has_simd": ([], _i32),
     "pagellm_q4_1_linear": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
     "pagellm_q8_0_linear": ([_p, _i64, _i32, _i32, _p, _p, _i32, _p, _i64, _i32], None),
+    "pagellm_q4_1_linear_i8": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
+    "pagellm_q8_0_linear_i8": ([_p, _i64, _i32, _i32, _p, _p, _i32, _p, _i64, _i32], None),
     "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p], None),
     "pagellm_paged_attention": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _p, _p, _i32, _f32,
                                  _p, _i32], _i32),

@@ -19,19 +19,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [M, K] (rows may be strided) @ W^T -> [M, N]."""
+def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = False) -> torch.Tensor:
+    """x [M, K] (rows may be strided) @ W^T -> [M, N]. int8_activations: llama.cpp's scheme (x rounded
+    to int8 per 32-value block, integer dot products), faster for one row, no longer float32-exact."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     lib, (m, k), n = cpu_kernels(), x.shape, w.out_features
     y = torch.empty(m, n, dtype=torch.float32)
     threads = torch.get_num_threads()
     if w.kind == "q4_1":
-        lib.pagellm_q4_1_linear(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(),
-                                n, y.data_ptr(), n, threads)
+        fn = lib.pagellm_q4_1_linear_i8 if int8_activations else lib.pagellm_q4_1_linear
+        fn(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), n, y.data_ptr(), n,
+           threads)
     else:
-        lib.pagellm_q8_0_linear(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), n, y.data_ptr(),
-                                n, threads)
+        fn = lib.pagellm_q8_0_linear_i8 if int8_activations else lib.pagellm_q8_0_linear
+        fn(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), n, y.data_ptr(), n, threads)
     return y
 
 

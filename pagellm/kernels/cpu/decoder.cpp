@@ -11,6 +11,10 @@ void pagellm_q4_1_linear(const float* x, int64_t ldx, int M, int K, const uint8_
                          const float* m, int N, float* y, int64_t ldy, int nthreads);
 void pagellm_q8_0_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d, int N,
                          float* y, int64_t ldy, int nthreads);
+void pagellm_q4_1_linear_i8(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
+                            const float* m, int N, float* y, int64_t ldy, int nthreads);
+void pagellm_q8_0_linear_i8(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d, int N,
+                            float* y, int64_t ldy, int nthreads);
 void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, float* out, int T, int C, float eps,
                          int nthreads);
 void pagellm_rope(float* x, int64_t ldx, int T, int heads, int D, const float* cos_table, const float* sin_table,
@@ -42,18 +46,21 @@ struct DecoderLayer {
 
 struct DecoderDims {
     int32_t hidden, heads, kv_heads, head_dim, intermediate, window;
+    int32_t int8_activations;  // one-row steps: int8 x per 32-block (quant_linear.cpp)
     float eps, scale;
     const float* rope_cos;
     const float* rope_sin;
 };
 
-static void matmul(const PackedMatrix& w, const float* x, int T, float* y, int nthreads) {
+static void matmul(const PackedMatrix& w, const float* x, int T, float* y, bool int8_x, int nthreads) {
+    auto q4 = int8_x ? pagellm_q4_1_linear_i8 : pagellm_q4_1_linear;
+    auto q8 = int8_x ? pagellm_q8_0_linear_i8 : pagellm_q8_0_linear;
     if (w.kind == 0)
-        pagellm_q4_1_linear(x, w.in_features, T, w.in_features, static_cast<const uint8_t*>(w.qs), w.d, w.m,
-                            w.out_features, y, w.out_features, nthreads);
+        q4(x, w.in_features, T, w.in_features, static_cast<const uint8_t*>(w.qs), w.d, w.m, w.out_features, y,
+           w.out_features, nthreads);
     else
-        pagellm_q8_0_linear(x, w.in_features, T, w.in_features, static_cast<const int8_t*>(w.qs), w.d,
-                            w.out_features, y, w.out_features, nthreads);
+        q8(x, w.in_features, T, w.in_features, static_cast<const int8_t*>(w.qs), w.d, w.out_features, y,
+           w.out_features, nthreads);
     if (w.bias)
         for (int t = 0; t < T; ++t)
             for (int i = 0; i < w.out_features; ++i) y[(int64_t)t * w.out_features + i] += w.bias[i];
@@ -68,13 +75,14 @@ extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLay
                                        const int64_t* row_seq, int nthreads) {
     const int C = dims->hidden, H = dims->heads, KV = dims->kv_heads, D = dims->head_dim;
     const int qkv_width = (H + 2 * KV) * D;
+    const bool int8_x = dims->int8_activations && T == 1;
     std::vector<float> residual(x, x + (int64_t)T * C), delta((int64_t)T * C), h((int64_t)T * C);
     std::vector<float> qkv((int64_t)T * qkv_width), attn((int64_t)T * H * D);
     std::vector<float> gate_up((int64_t)T * 2 * dims->intermediate), act((int64_t)T * dims->intermediate);
     pagellm_add_rmsnorm(residual.data(), nullptr, layers[0].input_norm, h.data(), T, C, dims->eps, nthreads);
     for (int l = 0; l < num_layers; ++l) {
         const DecoderLayer& L = layers[l];
-        matmul(L.qkv, h.data(), T, qkv.data(), nthreads);
+        matmul(L.qkv, h.data(), T, qkv.data(), int8_x, nthreads);
         pagellm_rope(qkv.data(), qkv_width, T, H + KV, D, dims->rope_cos, dims->rope_sin, positions, nthreads);
         const float* k = qkv.data() + H * D;
         const float* v = k + KV * D;
@@ -83,13 +91,13 @@ extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLay
                                          block_tables, table_stride, row_seq, positions, dims->window, dims->scale,
                                          attn.data(), nthreads);
         if (rc) return rc;
-        matmul(L.o, attn.data(), T, delta.data(), nthreads);
+        matmul(L.o, attn.data(), T, delta.data(), int8_x, nthreads);
         // delta += residual, h = norm(delta): delta is now the residual stream, so swap the names.
         pagellm_add_rmsnorm(delta.data(), residual.data(), L.post_norm, h.data(), T, C, dims->eps, nthreads);
         std::swap(delta, residual);
-        matmul(L.gate_up, h.data(), T, gate_up.data(), nthreads);
+        matmul(L.gate_up, h.data(), T, gate_up.data(), int8_x, nthreads);
         pagellm_silu_mul(gate_up.data(), T, dims->intermediate, act.data(), nthreads);
-        matmul(L.down, act.data(), T, delta.data(), nthreads);
+        matmul(L.down, act.data(), T, delta.data(), int8_x, nthreads);
         const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
         pagellm_add_rmsnorm(delta.data(), residual.data(), next_norm, h.data(), T, C, dims->eps, nthreads);
         std::swap(delta, residual);

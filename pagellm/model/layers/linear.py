@@ -24,11 +24,12 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: PackedWeight | None = None
+        self.int8_activations = False  # one-row packed products with int8 x (LLMEngine sets it from EngineArgs)
         self._packed_shards: dict[int, PackedWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS and ops.available(x):
-            y = ops.packed_linear(x, self.packed)
+            y = ops.packed_linear(x, self.packed, self.int8_activations and x.shape[0] == 1)
             return y if self.bias is None else y.add_(self.bias)
         if self.bias is None:
             return x @ self.weight_t
