@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
+
+from pagellm.bench.report import write_json
 
 
 def add_bench_parser(sub, add_engine_args) -> None:
@@ -68,10 +69,7 @@ def _throughput(ns: argparse.Namespace) -> int:
         print(f"{k:>22}: {v}")
     report["roofline"] = _throughput_roofline(llm.engine.model_config, workload, [result])
     if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {ns.json}")
+        write_json(ns.json, report)
     if ns.plot:
         from pagellm.bench.peers import plot_engines
 

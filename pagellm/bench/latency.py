@@ -4,11 +4,11 @@ speculative decoding, on the same engine settings and the same prompts (greedy, 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
+
+from pagellm.bench.report import write_json
 
 # An input-grounded task: the answer mostly quotes the prompt, which is where n-gram lookup shines.
 GROUNDED_CODE = '''def summarize_orders(orders, tax_rate):
@@ -146,10 +146,7 @@ def run_latency(ns: argparse.Namespace) -> int:
     report = {"benchmark": "latency", "date": time.strftime("%Y-%m-%d"), "task": ns.task,
               "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": args, "results": rows, "roofline": rl}
     if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {ns.json}")
+        write_json(ns.json, report)
     if ns.plot:
         _plot(rows, spec_method, ns.plot)
         print(f"wrote {ns.plot}")

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from pagellm.bench.report import write_json
+
 PEERS = ("transformers", "llama.cpp")
 RESULT_MARKER = "PAGELLM_PEER_RESULT "
 
@@ -212,10 +214,7 @@ def _report(ns, benchmark: str, spec: dict, results, skipped, failed) -> dict:
 
 def _write(ns, report: dict, results: list[dict], metric: str, label: str, by_batch: bool) -> None:
     if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {ns.json}")
+        write_json(ns.json, report)
     if ns.plot:
         model = os.path.basename(report["engine_args"]["model"].rstrip("/"))
         plot_engines(results, metric, label, by_batch, ns.plot, f"pagellm bench {report['benchmark']}: {model}")

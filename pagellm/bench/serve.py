@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from pagellm.bench.report import write_json
 from pagellm.bench.workload import BenchRequest, random_workload
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -335,10 +336,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
     for err in sorted({r["error"] for r in report["requests"] if r["error"]})[:5]:
         print(f"error: {err}", file=sys.stderr)
     if ns.json:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.json)), exist_ok=True)
-        with open(ns.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {ns.json}")
+        write_json(ns.json, report)
     if ns.plot:
         from pagellm.bench.plot import plot_serve
 
