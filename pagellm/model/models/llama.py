@@ -165,8 +165,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self._load_shard(target, param, tensor, shard, transposed)
             if target == "embed_tokens.weight" and self.config.tie_word_embeddings:
-                params["lm_head.weight_t"].copy_(tensor.t())
-                loaded.add("lm_head.weight_t")
+                loaded.add("lm_head.weight_t")  # filled below, once we know whether a packed copy came
             loaded.add(target)
         missing = {n for n in params if n not in loaded}
         if missing:
@@ -174,9 +173,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finish_packing()
-        if self.config.tie_word_embeddings and self.lm_head.packed is not None:
-            # One-row logits read the packed copy; the transposed float32 one would only cost memory.
-            self.lm_head.weight_t.data = torch.empty(0, 0)
+        if self.config.tie_word_embeddings:
+            if self.lm_head.packed is None:
+                self.lm_head.weight_t.copy_(self.embed_tokens.weight.t())
+            else:  # one-row logits read the packed copy; a transposed float32 one would only cost memory
+                self.lm_head.weight_t.data = torch.empty(0, 0)
 
     def _add_packed(self, name: str, weight: PackedWeight, fused: dict) -> None:
         """Route a packed matrix to its Linear (as shard i of a fused one); the embedding's, when tied,
