@@ -191,3 +191,12 @@ def tiny_gguf_model(tiny_hf_model, tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def no_llama_cpp(tmp_path, monkeypatch):
+    """Children see a `llama_cpp` that fails to import, whether or not the real one is installed."""
+    shadow = tmp_path / "shadow" / "llama_cpp"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('simulated: no llama_cpp here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow.parent))

@@ -15,15 +15,6 @@ from pagellm.cli import main
 TINY = ["--kv-cache-memory", "4MiB", "--block-size", "8", "--num-threads", "1"]
 
 
-@pytest.fixture
-def no_llama_cpp(tmp_path, monkeypatch):
-    """Children see a `llama_cpp` that fails to import, whether or not the real one is installed."""
-    shadow = tmp_path / "shadow" / "llama_cpp"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('simulated: no llama_cpp here')\n")
-    monkeypatch.setenv("PYTHONPATH", str(shadow.parent))
-
-
 def test_throughput_with_transformers_peer(tiny_hf_model, smollm_gguf_path, tmp_path, capsys):
     model = tiny_hf_model("llama")
     out_json, out_png = tmp_path / "t.json", tmp_path / "t.png"

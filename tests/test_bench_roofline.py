@@ -129,15 +129,6 @@ def test_latency_cli_reports_roofline(tiny_hf_model, smollm_gguf_path, tmp_path,
                                                           rel=0.01)
 
 
-@pytest.fixture
-def no_llama_cpp(tmp_path, monkeypatch):
-    """Children see a `llama_cpp` that fails to import (a tiny GGUF without a vocabulary is no use to it)."""
-    shadow = tmp_path / "shadow" / "llama_cpp"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('simulated: no llama_cpp here')\n")
-    monkeypatch.setenv("PYTHONPATH", str(shadow.parent))
-
-
 def test_latency_peer_mode_reports_roofline(tiny_gguf_model, smollm_gguf_path, tmp_path, capsys, no_llama_cpp):
     model = tiny_gguf_model("llama", qtype="Q8_0")  # pagellm keeps packed q8_0 copies and streams those
     out = tmp_path / "p.json"
