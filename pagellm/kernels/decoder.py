@@ -9,6 +9,7 @@ import ctypes
 import torch
 
 from pagellm.kernels.build import cpu_kernels
+from pagellm.kernels.ops import _ptr
 
 _p = ctypes.c_void_p
 
@@ -30,10 +31,6 @@ class DecoderDims(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("rope_cos", _p), ("rope_sin", _p)]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _matrix(linear) -> PackedMatrix:
     w = linear.packed
     return PackedMatrix(0 if w.kind == "q4_1" else 1, w.out_features, w.in_features, w.qs.data_ptr(),
@@ -45,11 +42,7 @@ class NativeDecoder:
 
     def __init__(self, model):
         cfg = model.config
-        self.lib = cpu_kernels()
-        self.fn = self.lib.pagellm_decoder_forward
-        self.fn.argtypes = [_p, _p, ctypes.c_int, _p, ctypes.c_int64, ctypes.c_int, _p, _p, ctypes.c_int, _p, _p,
-                            _p, ctypes.c_int64, _p, ctypes.c_int]
-        self.fn.restype = ctypes.c_int
+        self.fn = cpu_kernels().pagellm_decoder_forward
         self.model = model
         attn0 = model.layers[0].self_attn
         self.dims = DecoderDims(cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,

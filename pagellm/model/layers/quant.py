@@ -18,7 +18,8 @@ PACKED_SUFFIX = ":packed"  # loader stream name of a weight's block form, after 
 # Few-row products use the packed kernels; beyond this many rows the float32 GEMM is faster
 # (benchmarks/NOTES.md has the measurement behind the number).
 PACKED_MAX_ROWS = 20
-# Bytes per 32-weight block in the file, and where the packed form's parts sit in it.
+# Bytes per 32-weight block in the file (q4_1: f16 scale, f16 min, 16 bytes of nibbles; q8_0: f16 scale,
+# 32 int8 quants).
 FORMATS = {"q4_1": 20, "q8_0": 34}
 
 
