@@ -1,4 +1,5 @@
-"""Packed (GGUF q4_1) few-row matmuls through the native kernel vs float32 GEMMs, by row count.
+"""Packed (GGUF q4_1) few-row matmuls through the native kernels (float32 or int8 activations) vs float32
+GEMMs (torch's MKL and pagellm.kernels.blas's OpenBLAS), by row count.
 
     .venv/bin/python benchmarks/microbench_packed.py
 
@@ -12,7 +13,7 @@ import time
 
 import torch
 
-from pagellm.kernels import ops
+from pagellm.kernels import blas, ops
 from pagellm.model.layers.quant import PackedWeight, pack_gguf_blocks
 from pagellm.model.loader import resolve_model_path
 from pagellm.model.loader.gguf_loader import dequantize_tensor
@@ -29,7 +30,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}; float32 weights {sum(w.numel() * 4 for w in wts) / 2**20:.0f} MiB, "
           f"packed {sum(p.nbytes for p in packed) / 2**20:.0f} MiB")
     rows = (1, 4, 8, 12, 16, 20, 24, 32, 48, 64)
-    times = {m: ([], []) for m in rows}
+    times = {m: ([], [], [], []) for m in rows}
     xs = {m: torch.randn(m, 576) for m in rows}
     for _ in range(7):  # interleaved, so drifts in machine load hit every row count alike
         for m in rows:
@@ -38,13 +39,21 @@ def main() -> None:
                 ops.packed_linear(xs[m], p)
             times[m][0].append(1e3 * (time.perf_counter() - t))
             t = time.perf_counter()
+            for p in packed:
+                ops.packed_linear(xs[m], p, int8_activations=True)
+            times[m][1].append(1e3 * (time.perf_counter() - t))
+            t = time.perf_counter()
             for w in wts:
                 xs[m] @ w
-            times[m][1].append(1e3 * (time.perf_counter() - t))
-    print("| rows | packed q4_1 (ms) | float32 x @ W_t (ms) |")
-    print("|---|---|---|")
-    for m, (tp, tf) in times.items():
-        print(f"| {m} | {statistics.median(tp):.1f} | {statistics.median(tf):.1f} |")
+            times[m][2].append(1e3 * (time.perf_counter() - t))
+            t = time.perf_counter()
+            for w in wts:
+                blas.matmul(xs[m], w)
+            times[m][3].append(1e3 * (time.perf_counter() - t))
+    print("| rows | packed q4_1 (ms) | packed q4_1, int8 x (ms) | float32 torch (MKL) | float32 OpenBLAS |")
+    print("|---|---|---|---|---|")
+    for m, ts in times.items():
+        print(f"| {m} | " + " | ".join(f"{statistics.median(t):.1f}" for t in ts) + " |")
 
 
 if __name__ == "__main__":

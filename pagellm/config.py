@@ -160,9 +160,13 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str = "256MiB"
     attention_backend: str = "auto"
-    # One-row packed matmuls round activations to int8 per 32 values (llama.cpp's scheme): faster
+    # Packed matmuls round activations to int8 per 32 values (llama.cpp's scheme): faster
     # single-stream decode on the CPU, logprobs no longer float32-exact (see tests/test_kernels.py).
     int8_activations: bool = False
+    # Keep only the GGUF blocks of quantized weights (no float32 copies) where the CPU kernels read them:
+    # many-row matmuls dequantize cache-sized slices on the fly (the same values). ~530 MiB less for
+    # SmolLM2; prefill GEMMs 0-10% slower (benchmarks/NOTES.md).
+    packed_weights_only: bool = True
     num_threads: int | None = None
     speculative_method: str | None = None  # None | "ngram" | "draft"
     num_speculative_tokens: int = 4

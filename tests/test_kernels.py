@@ -40,6 +40,36 @@ def test_packed_linear_matches_float32_weights(kind, rows):
     torch.testing.assert_close(ops.packed_linear(wide[:, :k], w), got)
 
 
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the int8-activation kernels round it: per 32 values, scale amax/127, round half to even."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_activation_rows_are_independent_and_match_rounded_x(kind):
+    """Every row of an int8-activation product is computed alone, bit for bit (speculative verification
+    must agree with one-row decoding), and equals the float product of the weights with x rounded to int8."""
+    rng = np.random.default_rng(7)
+    n, k = 72, 160
+    w = pack_gguf_blocks(kind, _random_blocks(kind, n, k, rng), (n, k))
+    x = torch.randn(20, k) * torch.linspace(0.1, 4, k)  # blocks of different magnitudes
+    for rows in (1, 2, 3, 4, 5, 7, 9, 20):
+        got = ops.packed_linear(x[:rows], w, int8_activations=True)
+        for r in range(rows):
+            assert torch.equal(got[r], ops.packed_linear(x[r:r + 1], w, int8_activations=True)[0])
+        # q4_1's minimums multiply the exact float sums of x; everything else sees the rounded x
+        if kind == "q8_0":
+            ref = _int8_rows(x[:rows]).double() @ w.dequantize().double().t()
+        else:
+            ref = (_int8_rows(x[:rows]).double() @ (w.dequantize().double() - w.m.repeat_interleave(32, dim=1)
+                                                     .double()).t()
+                   + x[:rows].double() @ w.m.repeat_interleave(32, dim=1).double().t())
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_pack_gguf_blocks_matches_loader_dequantization(smollm_gguf_path):
     from pagellm.model.loader.gguf_loader import dequantize_tensor
     from pagellm.model.loader.gguf_reader import GGUFFile
@@ -217,3 +247,42 @@ def test_int8_activations_stay_close_to_float32(smollm_gguf_path):
             assert abs(lp_a[tok_a].logprob - lp_b[tok_b].logprob) < INT8_LOGPROB_TOL
             agreed += 1
     assert agreed >= 10  # a broken kernel parts at once, with a wide margin
+
+
+def test_int8_activations_speculative_greedy_identity(smollm_gguf_path):
+    """With int8 activations, n-gram speculation (verification rows through the same kernels) still
+    returns exactly what one-row decoding returns."""
+    from pagellm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompt = ("Repeat this list exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "
+              "alpha beta gamma delta")
+    plain = LLM(smollm_gguf_path, int8_activations=True).generate([prompt], params, use_tqdm=False)[0]
+    spec_llm = LLM(smollm_gguf_path, int8_activations=True, speculative_method="ngram", num_speculative_tokens=4)
+    spec = spec_llm.generate([prompt], params, use_tqdm=False)[0]
+    assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert spec_llm.engine.scheduler.stats.num_accepted_tokens > 0  # verification rows really ran
+
+
+def test_packed_weights_only_gives_the_same_tokens_with_less_memory(smollm_gguf_path):
+    """--packed-weights-only (the default) drops the float32 copies (layers and the tied embedding):
+    prefill, many-row decode steps (more than PACKED_MAX_ROWS sequences) and the embedding lookup then
+    read the GGUF blocks, dequantized to the same values, so greedy output equals that of an engine that
+    keeps float32 copies."""
+    from pagellm import LLM, SamplingParams
+    from pagellm.model.layers.quant import PACKED_MAX_ROWS
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in
+               range(PACKED_MAX_ROWS + 4)]
+    full, slim = LLM(smollm_gguf_path, packed_weights_only=False), LLM(smollm_gguf_path)
+    model = slim.engine.model
+    assert model.layers[0].mlp.gate_up_proj.weight_t.numel() == 0 and model.embed_tokens.weight.numel() == 0
+    assert full.engine.model.layers[0].mlp.gate_up_proj.weight_t.numel() > 0
+    assert slim.engine.weights_bytes < full.engine.weights_bytes - 400 * 2**20
+    a = full.generate(prompts, params, use_tqdm=False)
+    b = slim.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly, tok in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, x.outputs[0].token_ids, strict=True):
+            assert abs(lx[tok].logprob - ly[tok].logprob) < 1e-3

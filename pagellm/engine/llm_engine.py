@@ -114,6 +114,10 @@ class LLMEngine:
         for m in self.model.modules():
             if hasattr(m, "int8_activations"):
                 m.int8_activations = args.int8_activations
+        if args.packed_weights_only:
+            dropped = self.model.drop_float_weights()
+            _release_freed_memory()
+            logger.info("packed weights only: %.0f MiB of float32 copies dropped", dropped / 2**20)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
             m.packed.nbytes for m in self.model.modules() if getattr(m, "packed", None) is not None)
 

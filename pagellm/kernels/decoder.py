@@ -69,7 +69,7 @@ class NativeDecoder:
         key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._kv_key:
             self._kv_key, self._kv_ptrs = key, (ctypes.c_void_p * len(key))(*key)
-        x = self.model.embed_tokens(input_ids).contiguous()
+        x = self.model.embed(input_ids).contiguous()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         tables = meta.block_tables
         rc = self.fn(ctypes.byref(self.dims), self.layers, len(self.model.layers), self._kv_ptrs, num_blocks,

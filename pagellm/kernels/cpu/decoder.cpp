@@ -46,7 +46,7 @@ struct DecoderLayer {
 
 struct DecoderDims {
     int32_t hidden, heads, kv_heads, head_dim, intermediate, window;
-    int32_t int8_activations;  // one-row steps: int8 x per 32-block (quant_linear.cpp)
+    int32_t int8_activations;  // int8 x per 32-block in the matmuls (quant_linear.cpp)
     float eps, scale;
     const float* rope_cos;
     const float* rope_sin;
@@ -75,7 +75,7 @@ extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLay
                                        const int64_t* row_seq, int nthreads) {
     const int C = dims->hidden, H = dims->heads, KV = dims->kv_heads, D = dims->head_dim;
     const int qkv_width = (H + 2 * KV) * D;
-    const bool int8_x = dims->int8_activations && T == 1;
+    const bool int8_x = dims->int8_activations;
     std::vector<float> residual(x, x + (int64_t)T * C), delta((int64_t)T * C), h((int64_t)T * C);
     std::vector<float> qkv((int64_t)T * qkv_width), attn((int64_t)T * H * D);
     std::vector<float> gate_up((int64_t)T * 2 * dims->intermediate), act((int64_t)T * dims->intermediate);

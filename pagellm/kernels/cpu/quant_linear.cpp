@@ -23,6 +23,17 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// sum over i < n of a[i] * b[i], vectorized: a serial scalar loop here was a latency chain as long as
+// the rest of a column's work.
+inline float dot(const float* a, const float* b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float out = hsum(acc);
+    for (; i < n; ++i) out += a[i] * b[i];
+    return out;
+}
+
 inline __m256 u8x8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 inline __m256 i8x8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
@@ -65,12 +76,7 @@ inline void column(const float* x, int64_t ldx, int K, const Q* qs, int64_t q_pe
         }
     }
     for (int r = 0; r < R; ++r) {
-        float out = hsum(acc[r]);
-        if (m) {
-            const float* xs = xsum + r * nb;
-            for (int b = 0; b < nb; ++b) out += m[b] * xs[b];
-        }
-        y[r * ldy] = out;
+        y[r * ldy] = hsum(acc[r]) + (m ? dot(m, xsum + r * nb, nb) : 0.f);
     }
 }
 
@@ -116,50 +122,101 @@ void linear(const float* x, int64_t ldx, int M, int K, const Q* qs, int64_t q_pe
 }
 
 // --- int8 activations (llama.cpp's scheme, opt-in): each 32-value block of a row of x becomes int8
-// with its own scale, and blocks are multiplied with integer dot products (vpmaddubsw): about half the
-// instructions per block of the float path, at the cost of rounding x to 8 bits.
+// with its own scale, and blocks are multiplied with integer dot products (vpmaddubsw): fewer
+// instructions per block than the float path, at the cost of rounding x to 8 bits. Each row's result
+// is computed by the same operations in the same order whatever the number of rows, so a row's output
+// does not depend on the rows beside it (speculative verification agrees with one-row decoding).
 
 struct QuantizedRows {
     std::vector<int8_t> q;  // [M, K]
-    std::vector<float> d, sum;  // [M, K/32]: scale, and the exact float sum (for q4_1's minimums)
+    std::vector<float> d, sum;  // [M, K/32]: scale, and the float sum of the block (for q4_1's minimums)
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t ldx, int M, int K) {
     const int nb = K / 32;
     QuantizedRows out{std::vector<int8_t>((size_t)M * K), std::vector<float>((size_t)M * nb),
                       std::vector<float>((size_t)M * nb)};
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
     for (int r = 0; r < M; ++r)
         for (int b = 0; b < nb; ++b) {
             const float* xb = x + r * ldx + b * 32;
-            float amax = 0.f, sum = 0.f;
-            for (int j = 0; j < 32; ++j) {
-                amax = std::max(amax, std::fabs(xb[j]));
-                sum += xb[j];
-            }
-            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-            for (int j = 0; j < 32; ++j) out.q[(size_t)r * K + b * 32 + j] = (int8_t)std::lrintf(xb[j] * inv);
+            __m256 v[4];
+            for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+            __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float d = _mm_cvtss_f32(m4) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+            const __m256 vinv = _mm256_set1_ps(inv);
+            __m256i i[4];
+            for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], vinv));  // round to nearest
+            __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + (size_t)r * K + b * 32),
+                                _mm256_permutevar8x32_epi32(packed, order));
             out.d[(size_t)r * nb + b] = d;
-            out.sum[(size_t)r * nb + b] = sum;
+            out.sum[(size_t)r * nb + b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
         }
     return out;
 }
 
-// Sum over the 32 products of one block, as 8 int32 lanes converted to float.
-inline __m256 block_dot_q4(const uint8_t* qs, __m256i x) {
+// One weight block prepared once for every row of a tile: q4_1's nibbles as 32 unsigned bytes; q8_0's
+// quants as |q| and q (vpmaddubsw wants one unsigned operand: |q| times x carrying q's sign).
+struct BlockQ4 { __m256i q; };
+struct BlockQ8 { __m256i abs, q; };
+
+inline BlockQ4 prepare(const uint8_t* qs) {
     __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(p);
+    return {_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F))};
 }
 
-inline __m256 block_dot_q8(const int8_t* qs, __m256i x) {
+inline BlockQ8 prepare(const int8_t* qs) {
     __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-    // vpmaddubsw wants one unsigned operand: |q| times x with q's sign
-    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+    return {_mm256_sign_epi8(q, q), q};
+}
+
+// Sum over the block's 32 products, as 8 int32 lanes converted to float.
+inline __m256 block_dot(const BlockQ4& w, __m256i x) {
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w.q, x), _mm256_set1_epi16(1)));
+}
+
+inline __m256 block_dot(const BlockQ8& w, __m256i x) {
+    __m256i p = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x, w.q));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-template <typename Q, __m256 (*BlockDot)(const Q*, __m256i)>
+// R rows of quantized x against output column n: each weight block is prepared once for all R rows.
+// Per row, even blocks accumulate in one register and odd ones in another (two chains hide the FMA
+// latency), summed at the end.
+template <int R, typename Q>
+inline void column_i8(const QuantizedRows& xr, int r0, int K, const Q* qn, int64_t q_per_block, const float* dn,
+                      const float* mn, float* y, int64_t ldy) {
+    const int nb = K / 32;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int8_t* xq = xr.q.data() + (size_t)r0 * K;
+    const float* dx = xr.d.data() + (size_t)r0 * nb;
+    auto step = [&](int b, int h) {  // h: which chain (b's parity, a constant after unrolling)
+        const auto w = prepare(qn + b * q_per_block);
+        for (int r = 0; r < R; ++r) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (size_t)r * K + b * 32));
+            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(dn[b] * dx[r * nb + b]), block_dot(w, xv), acc[r][h]);
+        }
+    };
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        step(b, 0);
+        step(b + 1, 1);
+    }
+    if (b < nb) step(b, 0);
+    for (int r = 0; r < R; ++r) {
+        const float mins = mn ? dot(mn, xr.sum.data() + (size_t)(r0 + r) * nb, nb) : 0.f;  // q4_1: m * sum(x)
+        y[r * ldy] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + mins;
+    }
+}
+
+template <typename Q>
 void linear_i8(const float* x, int64_t ldx, int M, int K, const Q* qs, int64_t q_per_block, const float* d,
                const float* m, int N, float* y, int64_t ldy, int nthreads) {
     const int nb = K / 32;
@@ -168,29 +225,14 @@ void linear_i8(const float* x, int64_t ldx, int M, int K, const Q* qs, int64_t q
     for (int n = 0; n < N; ++n) {
         const Q* qn = qs + (int64_t)n * nb * q_per_block;
         const float* dn = d + (int64_t)n * nb;
-        for (int r = 0; r < M; ++r) {
-            const int8_t* xq = xr.q.data() + (size_t)r * K;
-            const float* dx = xr.d.data() + (size_t)r * nb;
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();  // two chains hide FMA latency
-            int b = 0;
-            for (; b + 2 <= nb; b += 2) {
-                const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
-                const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32 + 32));
-                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b] * dx[b]), BlockDot(qn + b * q_per_block, x0), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b + 1] * dx[b + 1]),
-                                       BlockDot(qn + (b + 1) * q_per_block, x1), acc1);
-            }
-            for (; b < nb; ++b) {
-                const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * 32));
-                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b] * dx[b]), BlockDot(qn + b * q_per_block, x0), acc0);
-            }
-            float out = hsum(_mm256_add_ps(acc0, acc1));
-            if (m) {  // q4_1 minimums: m * sum(x), with the exact float sums
-                const float* mn = m + (int64_t)n * nb;
-                const float* xs = xr.sum.data() + (size_t)r * nb;
-                for (int k = 0; k < nb; ++k) out += mn[k] * xs[k];
-            }
-            y[r * ldy + n] = out;
+        const float* mn = m ? m + (int64_t)n * nb : nullptr;
+        int r = 0;
+        for (; r + 4 <= M; r += 4) column_i8<4>(xr, r, K, qn, q_per_block, dn, mn, y + r * ldy + n, ldy);
+        switch (M - r) {
+            case 3: column_i8<3>(xr, r, K, qn, q_per_block, dn, mn, y + r * ldy + n, ldy); break;
+            case 2: column_i8<2>(xr, r, K, qn, q_per_block, dn, mn, y + r * ldy + n, ldy); break;
+            case 1: column_i8<1>(xr, r, K, qn, q_per_block, dn, mn, y + r * ldy + n, ldy); break;
+            default: break;
         }
     }
 }
@@ -201,12 +243,12 @@ extern "C" int pagellm_has_simd() { return 1; }
 
 extern "C" void pagellm_q4_1_linear_i8(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
                                        const float* m, int N, float* y, int64_t ldy, int nthreads) {
-    linear_i8<uint8_t, block_dot_q4>(x, ldx, M, K, qs, 16, d, m, N, y, ldy, nthreads);
+    linear_i8<uint8_t>(x, ldx, M, K, qs, 16, d, m, N, y, ldy, nthreads);
 }
 
 extern "C" void pagellm_q8_0_linear_i8(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
                                        int N, float* y, int64_t ldy, int nthreads) {
-    linear_i8<int8_t, block_dot_q8>(x, ldx, M, K, qs, 32, d, nullptr, N, y, ldy, nthreads);
+    linear_i8<int8_t>(x, ldx, M, K, qs, 32, d, nullptr, N, y, ldy, nthreads);
 }
 
 extern "C" void pagellm_q4_1_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.kernels import ops
+from pagellm.kernels import blas, ops
 from pagellm.model.layers.quant import PACKED_MAX_ROWS, PackedWeight
 
 
@@ -24,16 +24,27 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: PackedWeight | None = None
-        self.int8_activations = False  # one-row packed products with int8 x (LLMEngine sets it from EngineArgs)
+        self.int8_activations = False  # packed products with int8 x (LLMEngine sets it from EngineArgs)
         self._packed_shards: dict[int, PackedWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS and ops.available(x):
-            y = ops.packed_linear(x, self.packed, self.int8_activations and x.shape[0] == 1)
-            return y if self.bias is None else y.add_(self.bias)
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+            y = ops.packed_linear(x, self.packed, self.int8_activations)
+        elif self.packed is not None and self.weight_t.numel() == 0:  # float32 copy dropped
+            y = blas.packed_matmul(x, self.packed)
+            if y is None:  # no OpenBLAS here: dequantize the whole matrix for this call
+                y = x @ self.packed.dequantize().t()
+        else:
+            return blas.matmul(x, self.weight_t, self.bias)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def drop_float_weight(self) -> int:
+        """Frees the float32 weight when a packed copy can stand in for it; returns the bytes freed."""
+        if self.packed is None or self.weight_t.numel() == 0:
+            return 0
+        freed = self.weight_t.numel() * self.weight_t.element_size()
+        self.weight_t.data = torch.empty(0, 0)
+        return freed
 
     def add_packed_shard(self, shard: int, weight: PackedWeight) -> None:
         self._packed_shards[shard] = weight

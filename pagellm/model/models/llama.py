@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.config import ModelConfig
-from pagellm.kernels import ops
+from pagellm.kernels import blas, ops
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
 from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.norm import RMSNorm
@@ -105,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         if input_ids.shape[0] <= PACKED_MAX_ROWS and backend.name == "native" and self._native_decoder():
             # Decode / verification steps: the same kernels in one native call (no Python between layers).
             return self._native.forward(input_ids, positions, kv_caches, meta)
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
         return self.norm(x, residual)[0]
@@ -119,14 +119,31 @@ class LlamaForCausalLM(nn.Module):
             self._native = NativeDecoder(self) if NativeDecoder.supports(self) else False
         return bool(self._native)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens.weight.numel() == 0:  # dropped (drop_float_weights): rows of the packed head
+            return self.lm_head.packed.rows(input_ids).dequantize()
+        return self.embed_tokens(input_ids)
+
+    def drop_float_weights(self) -> int:
+        """Keeps only the packed (GGUF block) form of every weight that has one; returns the bytes freed.
+        The tied embedding goes too: lookups dequantize their rows of the packed LM head."""
+        freed = sum(m.drop_float_weight() for m in self.modules() if isinstance(m, Linear))
+        if self.config.tie_word_embeddings and self.lm_head.packed is not None:
+            w = self.embed_tokens.weight
+            freed += w.numel() * w.element_size()
+            w.data = torch.empty(0, w.shape[1])
+        self._native = None  # rebuilt with the new pointers on next use
+        return freed
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
-        if self.lm_head.packed is not None and rows <= PACKED_MAX_ROWS and ops.available(hidden):
+        few_rows = rows <= PACKED_MAX_ROWS and ops.available(hidden)
+        if self.lm_head.packed is not None and (few_rows or self.embed_tokens.weight.numel() == 0):
             return self.lm_head(hidden)
         if self.config.tie_word_embeddings and (rows > 1 or self.lm_head.weight_t.numel() == 0):
             # Several rows: the [vocab, hidden] layout (the embedding itself) is faster here; one row
             # streams the transposed copy about 2x faster (benchmarks/NOTES.md).
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            return blas.matmul(hidden, self.embed_tokens.weight.t()).float()
         return self.lm_head(hidden).float()
 
     @torch.no_grad()

@@ -1,0 +1,116 @@
+// Float32 GEMM through a single-threaded BLAS sgemm (numpy's OpenBLAS, found by pagellm/kernels/blas.py),
+// split over the threads of the OpenMP pool torch and the other kernels use. Letting OpenBLAS run its
+// own pthread pool beside torch's made the offline workload 3x slower on 2 cores: each pool's threads
+// spin while the other's work, so one pool does all the threading.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+// cblas_sgemm with 64-bit integers (OpenBLAS's ILP64 build, as numpy ships it).
+using sgemm64_t = void (*)(int order, int trans_a, int trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+                           const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                           int64_t ldc);
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+}  // namespace
+
+// y[M, N] = x[M, K] @ B, where B is w[K, N] (ldw >= N) or, when w_transposed, w[N, K]^T (ldw >= K).
+// Threads take slices of N (multiples of 16 columns), or of M when N is too narrow to share.
+extern "C" void pagellm_sgemm(void* sgemm, const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
+                              int64_t ldw, int w_transposed, int64_t N, float* y, int64_t ldy, int nthreads) {
+    auto fn = reinterpret_cast<sgemm64_t>(sgemm);
+    const int tb = w_transposed ? kTrans : kNoTrans;
+    const bool split_n = N >= 64 * nthreads || M < 2 * nthreads;
+    const int nt = std::max(1, nthreads);
+#pragma omp parallel for schedule(static, 1) num_threads(nt)
+    for (int t = 0; t < nt; ++t) {
+        if (split_n) {
+            const int64_t chunk = ((N + nt - 1) / nt + 15) / 16 * 16;
+            const int64_t n0 = std::min<int64_t>(N, t * chunk), n1 = std::min<int64_t>(N, n0 + chunk);
+            if (n1 > n0) {
+                const float* b = w_transposed ? w + n0 * ldw : w + n0;
+                fn(kRowMajor, kNoTrans, tb, M, n1 - n0, K, 1.f, x, ldx, b, ldw, 0.f, y + n0, ldy);
+            }
+        } else {
+            const int64_t chunk = (M + nt - 1) / nt;
+            const int64_t m0 = std::min<int64_t>(M, t * chunk), m1 = std::min<int64_t>(M, m0 + chunk);
+            if (m1 > m0)
+                fn(kRowMajor, kNoTrans, tb, m1 - m0, N, K, 1.f, x + m0 * ldx, ldx, w, ldw, 0.f, y + m0 * ldy, ldy);
+        }
+    }
+}
+
+namespace {
+// Rows [n0, n1) of a packed weight (layout of PackedWeight in model/layers/quant.py) as float32 [n, K],
+// with the loader's arithmetic: q * d (+ m), each operation rounded on its own (no FMA), so the values
+// equal the float32 weights the GGUF loader produces, bit for bit.
+void dequantize_rows(int kind, const void* qs, const float* d, const float* m, int64_t K, int64_t n0, int64_t n1,
+                     float* out) {
+    const int64_t nb = K / 32;
+    for (int64_t n = n0; n < n1; ++n)
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t blk = n * nb + b;
+            float* o = out + (n - n0) * K + b * 32;
+            const float db = d[blk];
+#if defined(__AVX2__)
+            const __m256 vd = _mm256_set1_ps(db);
+            __m256 q[4];
+            if (kind == 0) {
+                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(qs) + blk * 16));
+                const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+                q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+                q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+                q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+                q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+            } else {
+                const int8_t* p = static_cast<const int8_t*>(qs) + blk * 32;
+                for (int i = 0; i < 4; ++i)
+                    q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+            }
+            const __m256 vm = _mm256_set1_ps(kind == 0 ? m[blk] : 0.f);
+            for (int i = 0; i < 4; ++i) {
+                __m256 v = _mm256_mul_ps(q[i], vd);
+                asm("" : "+x"(v));  // keeps the compiler from fusing the multiply and the add below
+                _mm256_storeu_ps(o + 8 * i, kind == 0 ? _mm256_add_ps(v, vm) : v);
+            }
+#else
+            for (int j = 0; j < 32; ++j) {
+                if (kind == 0) {
+                    const uint8_t byte = static_cast<const uint8_t*>(qs)[blk * 16 + (j & 15)];
+                    volatile float v = (float)(j < 16 ? byte & 15 : byte >> 4) * db;
+                    o[j] = v + m[blk];
+                } else {
+                    o[j] = (float)static_cast<const int8_t*>(qs)[blk * 32 + j] * db;
+                }
+            }
+#endif
+        }
+}
+}  // namespace
+
+// y[M, N] = x[M, K] @ W^T for a packed weight W [N, K] (kind 0: q4_1, 1: q8_0) with no float32 copy in
+// memory: each thread dequantizes slices of kSlice output columns into a small buffer (cache-resident)
+// and multiplies it with the single-threaded sgemm. For many rows the dequantization is a small part
+// of the work (K multiply-adds per weight vs 2*M*K for the product).
+extern "C" void pagellm_packed_sgemm(void* sgemm, const float* x, int64_t ldx, int64_t M, int64_t K, int kind,
+                                     const void* qs, const float* d, const float* m, int64_t N, float* y,
+                                     int64_t ldy, int nthreads) {
+    constexpr int64_t kSlice = 128;
+    auto fn = reinterpret_cast<sgemm64_t>(sgemm);
+    const int64_t slices = (N + kSlice - 1) / kSlice;
+#pragma omp parallel num_threads(std::max(1, nthreads))
+    {
+        std::vector<float> buf(kSlice * K);
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < slices; ++s) {
+            const int64_t n0 = s * kSlice, n1 = std::min(N, n0 + kSlice);
+            dequantize_rows(kind, qs, d, m, K, n0, n1, buf.data());
+            fn(kRowMajor, kNoTrans, kTrans, M, n1 - n0, K, 1.f, x, ldx, buf.data(), K, 0.f, y + n0, ldy);
+        }
+    }
+}
