@@ -160,8 +160,10 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str = "256MiB"
     attention_backend: str = "auto"
-    # Packed matmuls round activations to int8 per 32 values (llama.cpp's scheme): faster
-    # single-stream decode on the CPU, logprobs no longer float32-exact (see tests/test_kernels.py).
+    # Packed matmuls (steps of <= 20 rows) round activations to int8 per 32 values (llama.cpp's scheme):
+    # faster single-stream decode on the CPU, logprobs no longer float32-exact (tests/test_kernels.py).
+    # Bigger steps stay float32, so with speculation a verification step of more than 20 rows can part
+    # from what non-speculative int8 decoding would have said.
     int8_activations: bool = False
     # Keep only the GGUF blocks of quantized weights (no float32 copies) where the CPU kernels read them:
     # many-row matmuls dequantize cache-sized slices on the fly (the same values). ~530 MiB less for

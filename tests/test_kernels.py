@@ -49,6 +49,8 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().pagellm_has_simd(),
+                    reason="without AVX2 the int8 entry points run the float32 path")
 def test_int8_activation_rows_are_independent_and_match_rounded_x(kind):
     """Every row of an int8-activation product is computed alone, bit for bit (speculative verification
     must agree with one-row decoding), and equals the float product of the weights with x rounded to int8."""
@@ -68,6 +70,20 @@ def test_int8_activation_rows_are_independent_and_match_rounded_x(kind):
                                                      .double()).t()
                    + x[:rows].double() @ w.m.repeat_interleave(32, dim=1).double().t())
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_blas_matmul_layouts_and_checks():
+    """OpenBLAS products (pagellm.kernels.blas) for the layouts the model passes: row-major and transposed
+    weights, strided and broadcast rows; a shape mismatch is an error, not an out-of-bounds read."""
+    from pagellm.kernels import blas
+
+    w = torch.randn(96, 40)
+    for x in (torch.randn(7, 96), torch.randn(7, 200)[:, :96], torch.randn(1, 96).expand(5, 96)):
+        torch.testing.assert_close(blas.matmul(x, w), x @ w)
+        torch.testing.assert_close(blas.matmul(x, w.t().contiguous().t(), torch.ones(40)), x @ w + 1)
+    if blas.ready():
+        with pytest.raises(ValueError, match="columns"):
+            blas.matmul(torch.randn(3, 95), w)
 
 
 def test_pack_gguf_blocks_matches_loader_dequantization(smollm_gguf_path):

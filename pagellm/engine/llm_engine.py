@@ -15,7 +15,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.output_processor import RequestState, SequenceState
-from pagellm.kernels import cpu_kernels
+from pagellm.kernels import blas, cpu_kernels, ops
 from pagellm.model.attention import get_attention_backend
 from pagellm.model.loader import iter_weights, load_config, resolve_model_path
 from pagellm.model.models.llama import MODEL_REGISTRY
@@ -55,7 +55,7 @@ def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.de
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                    cfg.rope_scaling).to(device)
     # Packed (GGUF block) copies only where the native kernels will read them.
-    packed = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None
+    packed = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None and ops.ENABLED
     model.load_weights(iter_weights(path, cfg, dtype, packed=packed))
     _release_freed_memory()
     return model.eval()
@@ -114,7 +114,7 @@ class LLMEngine:
         for m in self.model.modules():
             if hasattr(m, "int8_activations"):
                 m.int8_activations = args.int8_activations
-        if args.packed_weights_only:
+        if args.packed_weights_only and blas.ready():
             dropped = self.model.drop_float_weights()
             _release_freed_memory()
             logger.info("packed weights only: %.0f MiB of float32 copies dropped", dropped / 2**20)

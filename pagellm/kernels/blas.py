@@ -17,7 +17,9 @@ import os
 import numpy as np  # noqa: F401  (loads numpy's OpenBLAS, which _sgemm finds among the loaded libraries)
 import torch
 
+from pagellm.kernels import ops
 from pagellm.kernels.build import cpu_kernels
+from pagellm.model.layers.quant import FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,10 @@ def _sgemm() -> int | None:
     except OSError:
         return None
     for path in paths:
-        lib = ctypes.CDLL(path)  # already loaded by numpy: this only returns a handle
+        try:
+            lib = ctypes.CDLL(path)  # already loaded by numpy: this only returns a handle
+        except OSError:
+            continue
         sgemm = next((getattr(lib, n) for n in _SGEMM64 if hasattr(lib, n)), None)
         threads = next((getattr(lib, n) for n in _THREADS if hasattr(lib, n)), None)
         if sgemm is not None and threads is not None:
@@ -43,6 +48,19 @@ def _sgemm() -> int | None:
             return ctypes.cast(sgemm, ctypes.c_void_p).value
     logger.info("numpy's OpenBLAS not found (%s): float32 GEMMs stay on torch", paths or "no library")
     return None
+
+
+def ready() -> bool:
+    """Whether many-row float32 products can run here (the native kernels, numpy's OpenBLAS, not switched
+    off): also what lets the engine drop float32 weight copies (packed_matmul needs it)."""
+    return ENABLED and ops.ENABLED and cpu_kernels() is not None and _sgemm() is not None
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x with unit column stride and a row stride BLAS accepts (>= K)."""
+    if x.shape[1] != k:
+        raise ValueError(f"matmul: x has {x.shape[1]} columns, the weight {k} rows")
+    return x if x.stride(1) == 1 and x.stride(0) >= k else x.contiguous()
 
 
 def _weight_layout(w: torch.Tensor) -> tuple[int, bool] | None:
@@ -57,11 +75,9 @@ def _weight_layout(w: torch.Tensor) -> tuple[int, bool] | None:
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [K, N] (+ bias); w may be a transposed view. torch's GEMM off the CPU/float32 path."""
     layout = _weight_layout(w) if w.dtype == torch.float32 else None
-    if not (ENABLED and x.device.type == "cpu" and x.dtype == torch.float32 and layout and x.dim() == 2
-            and cpu_kernels() is not None and _sgemm() is not None):
+    if not (layout and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and ready()):
         return x @ w if bias is None else torch.addmm(bias, x, w)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = _rows(x, w.shape[0])
     (m, k), n = x.shape, w.shape[1]
     y = torch.empty(m, n, dtype=torch.float32)
     cpu_kernels().pagellm_sgemm(_sgemm(), x.data_ptr(), x.stride(0), m, k, w.data_ptr(), layout[0], layout[1], n,
@@ -72,11 +88,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def packed_matmul(x: torch.Tensor, w) -> torch.Tensor | None:
     """x [M, K] @ W^T for a PackedWeight W with no float32 copy kept: slices of W are dequantized (the
     loader's exact values) into a cache-sized buffer and multiplied there. None when it cannot run here."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels() is not None
-            and _sgemm() is not None):
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and ready()):
         return None
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    if w.kind not in FORMATS:
+        raise ValueError(f"packed_matmul: unsupported block format {w.kind!r}")
+    x = _rows(x, w.in_features)
     (m, k), n = x.shape, w.out_features
     y = torch.empty(m, n, dtype=torch.float32)
     cpu_kernels().pagellm_packed_sgemm(_sgemm(), x.data_ptr(), x.stride(0), m, k, 0 if w.kind == "q4_1" else 1,

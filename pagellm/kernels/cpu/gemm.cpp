@@ -4,7 +4,7 @@
 // spin while the other's work, so one pool does all the threading.
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -105,12 +105,12 @@ extern "C" void pagellm_packed_sgemm(void* sgemm, const float* x, int64_t ldx, i
     const int64_t slices = (N + kSlice - 1) / kSlice;
 #pragma omp parallel num_threads(std::max(1, nthreads))
     {
-        std::vector<float> buf(kSlice * K);
+        std::unique_ptr<float[]> buf(new float[kSlice * K]);  // no zero-fill: every value is written
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < slices; ++s) {
             const int64_t n0 = s * kSlice, n1 = std::min(N, n0 + kSlice);
-            dequantize_rows(kind, qs, d, m, K, n0, n1, buf.data());
-            fn(kRowMajor, kNoTrans, kTrans, M, n1 - n0, K, 1.f, x, ldx, buf.data(), K, 0.f, y + n0, ldy);
+            dequantize_rows(kind, qs, d, m, K, n0, n1, buf.get());
+            fn(kRowMajor, kNoTrans, kTrans, M, n1 - n0, K, 1.f, x, ldx, buf.get(), K, 0.f, y + n0, ldy);
         }
     }
 }
