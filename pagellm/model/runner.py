@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +29,19 @@ class SampledToken:
         return [*self.accepted, self]
 
 
+def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU backed by anonymous memory the OS hands out page by page on first write, so
+    a KV cache costs resident memory only for the blocks requests have used (torch.zeros writes every
+    byte up front: the whole --kv-cache-memory was resident from the start)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, numel * dtype.itemsize)  # anonymous mapping: reads as zeros, untouched pages cost nothing
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, backend: AttentionBackend, sampler: Sampler, num_host_blocks: int = 0):
@@ -38,11 +53,15 @@ class ModelRunner:
         self.sampler = sampler
         self.sliding_window = cfg.sliding_window
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device)
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = [zeros_on_touch(shape, kv_dtype, device) for _ in range(cfg.num_hidden_layers)]
         # Swap space: one host tensor for all layers, [layers, 2, host_blocks, block_size, kv_heads, head_dim].
-        self.host_cache = torch.zeros((cfg.num_hidden_layers, 2, num_host_blocks, *shape[2:]), dtype=kv_dtype,
-                                      pin_memory=device.type == "cuda") if num_host_blocks else None
+        host_shape = (cfg.num_hidden_layers, 2, num_host_blocks, *shape[2:])
+        if not num_host_blocks:
+            self.host_cache = None
+        elif device.type == "cuda":
+            self.host_cache = torch.zeros(host_shape, dtype=kv_dtype, pin_memory=True)
+        else:
+            self.host_cache = zeros_on_touch(host_shape, kv_dtype, torch.device("cpu"))
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -49,6 +49,9 @@ class Linear(nn.Module):
     def add_packed_shard(self, shard: int, weight: PackedWeight) -> None:
         self._packed_shards[shard] = weight
 
+    def packing_complete(self) -> bool:
+        return sorted(self._packed_shards) == list(range(self.shards))
+
     def finish_packing(self) -> None:
         """Keeps a packed copy only when every shard of the fused weight came packed, in one format."""
         shards = self._packed_shards

@@ -147,8 +147,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Consume Hugging Face-named tensors; q/k/v and gate/up are packed into their fused params."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], drop_float: bool = False) -> None:
+        """Consume Hugging Face-named tensors; q/k/v and gate/up are packed into their fused params.
+        drop_float: a Linear whose every shard came packed frees its float32 weight at once (so the float
+        copies never all coexist), and the tied embedding's goes at the end (drop_float_weights)."""
         params = dict(self.named_parameters())
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -158,7 +160,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             if isinstance(tensor, PackedWeight):
-                self._add_packed(name.removesuffix(PACKED_SUFFIX), tensor, fused)
+                module = self._add_packed(name.removesuffix(PACKED_SUFFIX), tensor, fused)
+                if drop_float and module is not None and module.packing_complete():
+                    module.finish_packing()
+                    module.drop_float_weight()
                 continue
             parts = name.split(".")
             target, shard = name, None
@@ -195,21 +200,26 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight_t.copy_(self.embed_tokens.weight.t())
             else:  # one-row logits read the packed copy; a transposed float32 one would only cost memory
                 self.lm_head.weight_t.data = torch.empty(0, 0)
+        if drop_float:
+            self.drop_float_weights()
 
-    def _add_packed(self, name: str, weight: PackedWeight, fused: dict) -> None:
-        """Route a packed matrix to its Linear (as shard i of a fused one); the embedding's, when tied,
-        to the LM head. Others (the embedding lookup itself) stay float32 only."""
+    def _add_packed(self, name: str, weight: PackedWeight, fused: dict) -> Linear | None:
+        """Route a packed matrix to its Linear (as shard i of a fused one) and return that Linear; the
+        embedding's, when tied, to the LM head. Others (the embedding lookup itself) stay float32 only."""
         if name == "embed_tokens.weight":
             if self.config.tie_word_embeddings:
                 self.lm_head.add_packed_shard(0, weight)
-            return
+                return self.lm_head
+            return None
         parts = name.removesuffix(".weight").split(".")
         module_name, shard = parts[-1], 0
         if module_name in fused:
             module_name, shard = fused[module_name]
         module = self.get_submodule(".".join([*parts[:-1], module_name]))
-        if isinstance(module, Linear):
-            module.add_packed_shard(shard, weight)
+        if not isinstance(module, Linear):
+            return None
+        module.add_packed_shard(shard, weight)
+        return module
 
     def _load_shard(self, target: str, param: torch.Tensor, tensor: torch.Tensor, shard: int,
                     transposed: bool) -> None:
