@@ -15,31 +15,6 @@ namespace {
 
 constexpr int kMaxHeads = 128;  // query heads
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-inline float dot(const float* a, const float* b, int n) {
-    int i = 0;
-    float s = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    s = hsum8(_mm256_add_ps(acc0, acc1));
-#endif
-    for (; i < n; ++i) s += a[i] * b[i];
-    return s;
-}
-
 inline void axpy(float a, const float* x, float* y, int n) {
     int i = 0;
 #if defined(__AVX2__) && defined(__FMA__)

@@ -6,9 +6,7 @@
 #include <cstdint>
 #include <memory>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 // cblas_sgemm with 64-bit integers (OpenBLAS's ILP64 build, as numpy ships it).
@@ -56,25 +54,13 @@ void dequantize_rows(int kind, const void* qs, const float* d, const float* m, i
             const int64_t blk = n * nb + b;
             float* o = out + (n - n0) * K + b * 32;
             const float db = d[blk];
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
             const __m256 vd = _mm256_set1_ps(db);
-            __m256 q[4];
-            if (kind == 0) {
-                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(qs) + blk * 16));
-                const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
-                q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-                q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            } else {
-                const int8_t* p = static_cast<const int8_t*>(qs) + blk * 32;
-                for (int i = 0; i < 4; ++i)
-                    q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
-            }
+            const Quants q = kind == 0 ? unpack_q4(static_cast<const uint8_t*>(qs) + blk * 16)
+                                       : unpack_q8(static_cast<const int8_t*>(qs) + blk * 32);
             const __m256 vm = _mm256_set1_ps(kind == 0 ? m[blk] : 0.f);
             for (int i = 0; i < 4; ++i) {
-                __m256 v = _mm256_mul_ps(q[i], vd);
+                __m256 v = _mm256_mul_ps(q.q[i], vd);
                 asm("" : "+x"(v));  // keeps the compiler from fusing the multiply and the add below
                 _mm256_storeu_ps(o + 8 * i, kind == 0 ? _mm256_add_ps(v, vm) : v);
             }

@@ -11,48 +11,12 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 namespace {
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// sum over i < n of a[i] * b[i], vectorized: a serial scalar loop here was a latency chain as long as
-// the rest of a column's work.
-inline float dot(const float* a, const float* b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float out = hsum(acc);
-    for (; i < n; ++i) out += a[i] * b[i];
-    return out;
-}
-
-inline __m256 u8x8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-inline __m256 i8x8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
-
-// The 32 quants of one block as four vectors of 8 floats (exact: small integers).
-struct Quants { __m256 q[4]; };
-
-inline Quants unpack_q4(const uint8_t* qs) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    __m128i lo = _mm_and_si128(raw, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    return {{u8x8_to_f32(lo), u8x8_to_f32(_mm_srli_si128(lo, 8)), u8x8_to_f32(hi), u8x8_to_f32(_mm_srli_si128(hi, 8))}};
-}
-
-inline Quants unpack_q8(const int8_t* qs) {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
-    return {{i8x8_to_f32(a), i8x8_to_f32(_mm_srli_si128(a, 8)), i8x8_to_f32(c), i8x8_to_f32(_mm_srli_si128(c, 8))}};
-}
 
 // R rows of x against output column n. Per block, y += d * (q . x) (+ m * sum(x), added at the end
 // from per-block row sums computed once per call): each block's quants are converted once and used
@@ -76,7 +40,7 @@ inline void column(const float* x, int64_t ldx, int K, const Q* qs, int64_t q_pe
         }
     }
     for (int r = 0; r < R; ++r) {
-        y[r * ldy] = hsum(acc[r]) + (m ? dot(m, xsum + r * nb, nb) : 0.f);
+        y[r * ldy] = hsum8(acc[r]) + (m ? dot(m, xsum + r * nb, nb) : 0.f);
     }
 }
 
@@ -156,7 +120,7 @@ QuantizedRows quantize_rows(const float* x, int64_t ldx, int M, int K) {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + (size_t)r * K + b * 32),
                                 _mm256_permutevar8x32_epi32(packed, order));
             out.d[(size_t)r * nb + b] = d;
-            out.sum[(size_t)r * nb + b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            out.sum[(size_t)r * nb + b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
         }
     return out;
 }
@@ -212,7 +176,7 @@ inline void column_i8(const QuantizedRows& xr, int r0, int K, const Q* qn, int64
     if (b < nb) step(b, 0);
     for (int r = 0; r < R; ++r) {
         const float mins = mn ? dot(mn, xr.sum.data() + (size_t)(r0 + r) * nb, nb) : 0.f;  // q4_1: m * sum(x)
-        y[r * ldy] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + mins;
+        y[r * ldy] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + mins;
     }
 }
 

@@ -1,8 +1,38 @@
 // Shared AVX2 helpers for the kernels (included only; build.py compiles the .cpp files).
 #pragma once
 
+#include <cstdint>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline __m256 u8x8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+inline __m256 i8x8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+// The 32 quants of one GGUF block as four vectors of 8 floats (exact: small integers). q4_1: byte j
+// holds element j (low nibble) and j + 16 (high); q8_0: 32 int8.
+struct Quants { __m256 q[4]; };
+
+inline Quants unpack_q4(const uint8_t* qs) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    __m128i lo = _mm_and_si128(raw, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    return {{u8x8_to_f32(lo), u8x8_to_f32(_mm_srli_si128(lo, 8)), u8x8_to_f32(hi), u8x8_to_f32(_mm_srli_si128(hi, 8))}};
+}
+
+inline Quants unpack_q8(const int8_t* qs) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+    return {{i8x8_to_f32(a), i8x8_to_f32(_mm_srli_si128(a, 8)), i8x8_to_f32(c), i8x8_to_f32(_mm_srli_si128(c, 8))}};
+}
 
 // exp for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (relative error
 // about 2e-7, like expf's). Inputs are clamped to [-87, 88], where the result is a normal float.
@@ -26,3 +56,20 @@ inline __m256 exp8(__m256 x) {
 // p[i] = exp(p[i] - max) for i < n; returns their sum.
 
 #endif
+
+// sum over i < n of a[i] * b[i] (two vector chains, then the scalar tail).
+inline float dot(const float* a, const float* b, int n) {
+    int i = 0;
+    float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum8(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
