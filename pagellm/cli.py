@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--int8-activations", action="store_true",
                    help="packed (GGUF q4_1/q8_0) matmuls quantize activations to int8 per 32 values, "
                         "as llama.cpp does: faster single-stream CPU decode; logprobs differ from float32 by up to "
-                        "~0.25 nats, so greedy output can part where the top two tokens are close")
+                        "~0.4 nats, so greedy output can part where the top two tokens are close")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 

@@ -234,15 +234,17 @@ def test_native_paths_match_plain_torch_on_tiny_models(tiny_hf_model, tiny_gguf_
                 assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4
 
 
-# Measured on SmolLM2 (5 prompts x 64 tokens): chosen-token logprob differences median 0.016, p90 0.09,
-# max 0.23 nats; outputs parted where float32's top-1 led by 0.007-0.4 nats (llama.cpp, which rounds
-# activations the same way, agrees with float32 pagellm on about a quarter of greedy tokens).
-INT8_LOGPROB_TOL = 0.3  # nats, on the chosen token's logprob, while the outputs agree
+# Measured on SmolLM2 (5 prompts x 40 tokens, int8 on every packed step, short prompts' prefill included,
+# as llama.cpp does): chosen-token logprob differences median 0.036, p90 0.29, max 0.39 nats (one-row
+# steps only, as in the second session: median 0.016, p90 0.09, max 0.23); outputs parted where float32's
+# top-1 led by 0.005-0.4 nats (llama.cpp, which rounds activations the same way, agrees with float32
+# pagellm on about a quarter of greedy tokens).
+INT8_LOGPROB_TOL = 0.5  # nats, on the chosen token's logprob, while the outputs agree
 INT8_WIDE_MARGIN = 0.5  # nats between float32's top-1 and top-2: such a top-1 must survive int8 rounding
 
 
 def test_int8_activations_stay_close_to_float32(smollm_gguf_path):
-    """--int8-activations (one-row steps round x to int8 per 32 values) is not float32-exact: the chosen
+    """--int8-activations (packed steps round x to int8 per 32 values) is not float32-exact: the chosen
     tokens' logprobs stay within INT8_LOGPROB_TOL of float32's while the outputs agree, and the outputs may
     part only where float32's top-1 led by less than INT8_WIDE_MARGIN."""
     from pagellm import LLM, SamplingParams
@@ -252,7 +254,7 @@ def test_int8_activations_stay_close_to_float32(smollm_gguf_path):
     exact, fast = LLM(smollm_gguf_path), LLM(smollm_gguf_path, int8_activations=True)
     assert fast.engine.model.layers[0].mlp.down_proj.int8_activations
     agreed = 0
-    for prompt in prompts:  # one at a time: batch-1 decode steps are the ones int8 applies to
+    for prompt in prompts:  # one at a time, as in single-stream decoding
         a = exact.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         b = fast.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
