@@ -44,8 +44,9 @@ extern "C" void pagellm_sgemm(void* sgemm, const float* x, int64_t ldx, int64_t 
 
 namespace {
 // Rows [n0, n1) of a packed weight (layout of PackedWeight in model/layers/quant.py) as float32 [n, K],
-// with the loader's arithmetic: q * d (+ m), each operation rounded on its own (no FMA), so the values
-// equal the float32 weights the GGUF loader produces, bit for bit.
+// equal, bit for bit, to the float32 weights the GGUF loader produces (q * d, then + m): q * d is exact
+// in float32 (an f16 scale times an integer of at most 8 bits), so fusing the multiply and add changes
+// nothing.
 void dequantize_rows(int kind, const void* qs, const float* d, const float* m, int64_t K, int64_t n0, int64_t n1,
                      float* out) {
     const int64_t nb = K / 32;
@@ -59,17 +60,12 @@ void dequantize_rows(int kind, const void* qs, const float* d, const float* m, i
             const Quants q = kind == 0 ? unpack_q4(static_cast<const uint8_t*>(qs) + blk * 16)
                                        : unpack_q8(static_cast<const int8_t*>(qs) + blk * 32);
             const __m256 vm = _mm256_set1_ps(kind == 0 ? m[blk] : 0.f);
-            for (int i = 0; i < 4; ++i) {
-                __m256 v = _mm256_mul_ps(q.q[i], vd);
-                asm("" : "+x"(v));  // keeps the compiler from fusing the multiply and the add below
-                _mm256_storeu_ps(o + 8 * i, kind == 0 ? _mm256_add_ps(v, vm) : v);
-            }
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(q.q[i], vd, vm));
 #else
             for (int j = 0; j < 32; ++j) {
                 if (kind == 0) {
                     const uint8_t byte = static_cast<const uint8_t*>(qs)[blk * 16 + (j & 15)];
-                    volatile float v = (float)(j < 16 ? byte & 15 : byte >> 4) * db;
-                    o[j] = v + m[blk];
+                    o[j] = (float)(j < 16 ? byte & 15 : byte >> 4) * db + m[blk];
                 } else {
                     o[j] = (float)static_cast<const int8_t*>(qs)[blk * 32 + j] * db;
                 }
