@@ -141,6 +141,9 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass
 class EngineArgs:
     """Every engine option, named like its CLI flag (--kv-cache-memory -> kv_cache_memory)."""
@@ -160,6 +163,10 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str = "256MiB"
     attention_backend: str = "auto"
+    # KV cache element type: "auto" follows dtype. float16 halves the cache's bytes per token (twice the
+    # tokens in the same memory, half the bytes attention reads per decode step) at the cost of rounding
+    # keys and values to 11 significant bits, as llama.cpp's default f16 cache does (tests/test_engine.py).
+    kv_cache_dtype: str = "auto"
     # Packed matmuls (steps of <= 20 rows) round activations to int8 per 32 values (llama.cpp's scheme):
     # faster single-stream decode on the CPU, logprobs no longer float32-exact (tests/test_kernels.py).
     # Bigger steps stay float32, so with speculation a verification step of more than 20 rows can part
@@ -180,6 +187,8 @@ class EngineArgs:
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {self.speculative_method!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
@@ -194,6 +203,10 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching)

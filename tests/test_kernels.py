@@ -134,13 +134,15 @@ def test_add_rmsnorm_rope_silu_match_torch():
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :20]) * gate_up[:, 20:])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_reference(window):
+def test_paged_attention_matches_reference(window, kv_dtype):
     """A mixed step: a decode row, a 3-row verification, a 7-row prefill chunk on a cached prefix;
-    blocks scattered through the cache; grouped-query heads."""
+    blocks scattered through the cache; grouped-query heads. A float16 cache gets the same bits from
+    the kernel's write as from torch's cast."""
     torch.manual_seed(0)
     block_size, num_blocks, kv_heads, heads, d = 4, 40, 2, 6, 16
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, d)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, d).to(kv_dtype)
     new_rows, seq_lens = [1, 3, 7], [9, 14, 7]
     perm = torch.randperm(num_blocks).tolist()
     tables, slots, row_seq, positions = [], [], [], []
@@ -163,13 +165,14 @@ def test_paged_attention_matches_reference(window):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_row_does_not_depend_on_its_neighbours():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype):
     """A row's output is bit-identical whether it is attended alone (split by head across threads) or
     among many rows (split by row), whatever its length mod 4 (keys are scored four at a time): what
     keeps speculative verification rows equal to one-row decoding."""
     torch.manual_seed(1)
     block_size, num_blocks, kv_heads, heads, d = 16, 12, 3, 9, 64
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, d)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, d).to(kv_dtype)
     table = torch.randperm(num_blocks)[:10].reshape(1, 10)
     positions = torch.tensor([3, 17, 18, 19, 20, 64, 101, 150])
     q = torch.randn(len(positions), heads, d)
@@ -178,8 +181,8 @@ def test_paged_attention_row_does_not_depend_on_its_neighbours():
     for i in range(len(positions)):
         alone = ops.paged_attention(q[i:i + 1], cache, table, row_seq[:1], positions[i:i + 1], None, 0.125)
         assert torch.equal(alone[0], together[i])
-    keys = cache[0][table[0]].reshape(-1, kv_heads, d)[:151]  # the request's keys in order
-    vals = cache[1][table[0]].reshape(-1, kv_heads, d)[:151]
+    keys = cache[0][table[0]].reshape(-1, kv_heads, d)[:151].float()  # the request's keys in order
+    vals = cache[1][table[0]].reshape(-1, kv_heads, d)[:151].float()
     i, p = 6, 101
     k, v = keys[:p + 1].repeat_interleave(3, dim=1), vals[:p + 1].repeat_interleave(3, dim=1)
     want = torch.einsum("hk,khd->hd", torch.softmax(torch.einsum("hd,khd->hk", q[i], k) * 0.125, -1), v)

@@ -28,7 +28,8 @@ class PagellmEngine:
         self.method = ("continuous batching (pagellm LLMEngine), greedy, ignore_eos"
                        + (f", {spec_method} speculative decoding" if spec_method else ""))
         self.info = {"kv_bytes_per_token": eng.bytes_per_block // eng.kv_cache.block_size,
-                     "kv_cache_bytes": eng.bytes_per_block * eng.kv_cache.num_blocks, "dtype": eng.args.dtype}
+                     "kv_cache_bytes": eng.bytes_per_block * eng.kv_cache.num_blocks,
+                     "dtype": f"{eng.args.dtype}, KV {eng.args.kv_dtype_name}"}
 
     def warm_up(self, prompt: list[int]) -> None:
         from pagellm.bench.throughput import warm_up_pagellm

@@ -29,7 +29,7 @@ from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagellm")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -104,10 +104,10 @@ def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRun
     if draft_cfg.vocab_size != cfg.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs from the target's "
                          f"({cfg.vocab_size})")
-    dtype = _DTYPES[args.dtype]
-    draft = load_model(path, draft_cfg, dtype, device)
-    num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, dtype)
-    runner = ModelRunner(draft, num_blocks, args.block_size, dtype, device, target_runner.backend,
+    kv_dtype = _DTYPES[args.kv_dtype_name]
+    draft = load_model(path, draft_cfg, _DTYPES[args.dtype], device)
+    num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
+    runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, target_runner.backend,
                          target_runner.sampler)
     logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
     return DraftModelProposer(runner, KVCacheManager(num_blocks, args.block_size), args.num_speculative_tokens,
@@ -135,7 +135,8 @@ class LLMEngine:
             m.packed.nbytes for m in self.model.modules() if getattr(m, "packed", None) is not None)
 
         cache = args.cache_config()
-        self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, dtype)
+        kv_dtype = _DTYPES[args.kv_dtype_name]
+        self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, kv_dtype)
         num_blocks = cache.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes is less than one KV block "
@@ -150,8 +151,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv_cache, args.preemption_mode)
         self.max_model_len = sched_cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
-        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, dtype, self.device,
-                                  get_attention_backend(args.attention_backend, self.device, dtype),
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device,
+                                  get_attention_backend(args.attention_backend, self.device, kv_dtype),
                                   Sampler(self.eos_token_ids),
                                   num_host_blocks=num_host_blocks)
         self.proposer = build_proposer(args, self.max_model_len, self.runner, self.model_config, self.device)
@@ -160,9 +161,10 @@ class LLMEngine:
         self.stats = EngineStats()
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
-            "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache %d blocks x %d tokens = "
+            "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache (%s) %d blocks x %d tokens = "
             "%d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
-            path, cfg.architecture, args.dtype, self.startup_seconds, self.weights_bytes / 2**20, num_blocks,
+            path, cfg.architecture, args.dtype, self.startup_seconds, self.weights_bytes / 2**20, args.kv_dtype_name,
+            num_blocks,
             cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
             self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)
 

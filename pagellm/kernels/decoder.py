@@ -27,7 +27,7 @@ class DecoderLayer(ctypes.Structure):
 class DecoderDims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int32), ("heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32), ("window", ctypes.c_int32),
-                ("int8_activations", ctypes.c_int32),
+                ("int8_activations", ctypes.c_int32), ("kv_half", ctypes.c_int32),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("rope_cos", _p), ("rope_sin", _p)]
 
 
@@ -47,7 +47,7 @@ class NativeDecoder:
         attn0 = model.layers[0].self_attn
         self.dims = DecoderDims(cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                                 cfg.intermediate_size, cfg.sliding_window or 0,
-                                int(model.layers[0].mlp.gate_up_proj.int8_activations), model.norm.eps, attn0.scale,
+                                int(model.layers[0].mlp.gate_up_proj.int8_activations), 0, model.norm.eps, attn0.scale,
                                 model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr())
         self.layers = (DecoderLayer * len(model.layers))(*[
             DecoderLayer(_matrix(layer.self_attn.qkv_proj), _matrix(layer.self_attn.o_proj),
@@ -69,6 +69,7 @@ class NativeDecoder:
         key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._kv_key:
             self._kv_key, self._kv_ptrs = key, (ctypes.c_void_p * len(key))(*key)
+            self.dims.kv_half = int(kv_caches[0].dtype == torch.float16)
         x = self.model.embed(input_ids).contiguous()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         tables = meta.block_tables

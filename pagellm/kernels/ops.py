@@ -59,11 +59,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def kv_cache_supported(kv_cache: torch.Tensor) -> bool:
+    """The attention kernels read float32 caches, and float16 ones where the SIMD build converts them."""
+    if kv_cache.dtype == torch.float16:
+        return bool(cpu_kernels().pagellm_has_simd())
+    return kv_cache.dtype == torch.float32
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v: [T, KV, D] views whose rows may be strided (slices of the fused qkv output)."""
+    """k, v: [T, KV, D] float32 views whose rows may be strided (slices of the fused qkv output); a float16
+    cache stores them rounded to nearest, like torch's .to(torch.float16)."""
     _, num_blocks, block_size, num_kv, head_dim = kv_cache.shape
-    cpu_kernels().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], num_kv,
-                                   head_dim, kv_cache.data_ptr(), num_blocks, block_size, slots.data_ptr())
+    rc = cpu_kernels().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], num_kv,
+                                        head_dim, kv_cache.data_ptr(), num_blocks, block_size, slots.data_ptr(),
+                                        int(kv_cache.dtype == torch.float16))
+    if rc:
+        raise ValueError(f"write_kv kernel: unsupported KV cache dtype {kv_cache.dtype}")
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
@@ -75,7 +86,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     rc = cpu_kernels().pagellm_paged_attention(
         q.data_ptr(), q.stride(0), t, h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv,
         block_tables.data_ptr(), block_tables.stride(0), row_seq.data_ptr(), row_pos.data_ptr(), window or 0,
-        scale, out.data_ptr(), torch.get_num_threads())
+        scale, out.data_ptr(), torch.get_num_threads(), int(kv_cache.dtype == torch.float16))
     if rc:
         raise ValueError(f"paged_attention kernel: unsupported shape (heads {h}, kv heads {num_kv}, head_dim {d})")
     return out

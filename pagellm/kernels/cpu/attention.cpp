@@ -11,17 +11,58 @@
 
 #include "simd.h"
 
-// Writes the step's new keys/values into their slots. k, v: [T, KV, D] with row strides ldk, ldv.
-extern "C" void pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D,
-                                 float* kv, int64_t num_blocks, int block_size, const int64_t* slots) {
-    const int64_t plane = num_blocks * block_size * KV * D;  // offset of the value half
-    for (int t = 0; t < T; ++t) {
-        std::memcpy(kv + slots[t] * KV * D, k + t * ldk, sizeof(float) * KV * D);
-        std::memcpy(kv + plane + slots[t] * KV * D, v + t * ldv, sizeof(float) * KV * D);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGELLM_SIMD_ATTENTION 1
+#endif
+
+namespace {
+
+// KV elements: float32, or IEEE float16 (uint16_t bits) converted with F16C, rounding to nearest even
+// as torch's .to(torch.float16) does, so both write paths store the same bits.
+template <typename T>
+inline void store_row(const float* src, T* dst, int n) {
+    if constexpr (sizeof(T) == sizeof(float)) {
+        std::memcpy(dst, src, sizeof(float) * n);
+    } else {
+#ifdef PAGELLM_SIMD_ATTENTION
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < n; ++i) dst[i] = static_cast<T>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
+#endif
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+template <typename T>
+void write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T_, int KV, int D, T* kv,
+              int64_t num_blocks, int block_size, const int64_t* slots) {
+    const int64_t plane = num_blocks * block_size * KV * D;  // offset of the value half
+    for (int t = 0; t < T_; ++t) {
+        store_row(k + t * ldk, kv + slots[t] * KV * D, KV * D);
+        store_row(v + t * ldv, kv + plane + slots[t] * KV * D, KV * D);
+    }
+}
+
+}  // namespace
+
+// Writes the step's new keys/values into their slots. k, v: [T, KV, D] with row strides ldk, ldv;
+// kv_half: the cache holds float16. Returns 0, or -1 where float16 is not supported (no F16C).
+extern "C" int pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D,
+                                void* kv, int64_t num_blocks, int block_size, const int64_t* slots, int kv_half) {
+    if (!kv_half) {
+        write_kv(k, ldk, v, ldv, T, KV, D, static_cast<float*>(kv), num_blocks, block_size, slots);
+        return 0;
+    }
+#ifdef PAGELLM_SIMD_ATTENTION
+    write_kv(k, ldk, v, ldv, T, KV, D, static_cast<uint16_t*>(kv), num_blocks, block_size, slots);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+#ifdef PAGELLM_SIMD_ATTENTION
 namespace {
 
 inline float softmax_numerators(float* p, int64_t n, float max) {
@@ -56,11 +97,12 @@ inline float softmax_numerators(float* p, int64_t n, float max) {
 
 namespace {
 
+template <typename T>
 struct AttentionArgs {
     const float* q;
     int64_t ldq;
     int H, D, G, KV, block_size, window;
-    const float* kv;
+    const T* kv;
     int64_t plane, stride;  // offset of the values; distance between consecutive tokens of a block
     const int64_t* block_tables;
     int64_t table_stride;
@@ -71,8 +113,8 @@ struct AttentionArgs {
 };
 
 // Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0.
-template <typename F>
-inline void for_each_key(const AttentionArgs& a, const int64_t* table, int64_t first, int64_t pos, F f) {
+template <typename T, typename F>
+inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f) {
     const int bs = a.block_size;
     for (int64_t j = first; j <= pos;) {
         const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
@@ -82,49 +124,54 @@ inline void for_each_key(const AttentionArgs& a, const int64_t* table, int64_t f
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef PAGELLM_SIMD_ATTENTION
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // Scores of 4 keys at once: 8-lane products per key, then one transposing reduction for all four
 // (the per-key horizontal sum was as costly as the products). Every key gets the same arithmetic in
 // whichever slot it lands, so a score never depends on its neighbours (speculative rows stay exact).
-inline __m128 dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int D) {
+template <typename T>
+inline __m128 dot4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int D) {
     __m256 qv = _mm256_loadu_ps(q);
-    __m256 a0 = _mm256_mul_ps(qv, _mm256_loadu_ps(k0)), a1 = _mm256_mul_ps(qv, _mm256_loadu_ps(k1));
-    __m256 a2 = _mm256_mul_ps(qv, _mm256_loadu_ps(k2)), a3 = _mm256_mul_ps(qv, _mm256_loadu_ps(k3));
+    __m256 a0 = _mm256_mul_ps(qv, load8(k0)), a1 = _mm256_mul_ps(qv, load8(k1));
+    __m256 a2 = _mm256_mul_ps(qv, load8(k2)), a3 = _mm256_mul_ps(qv, load8(k3));
     for (int d = 8; d < D; d += 8) {
         qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k3 + d), a3);
     }
     const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
 // o[0, 8 * NC) = sum_i p_i v_i over the row's keys, accumulated in registers in key order.
-template <int NC>
-inline void weighted_values(const AttentionArgs& a, const int64_t* table, int64_t first, int64_t pos,
-                            const float* p, const float* v, float inv_sum, float* o) {
+template <int NC, typename T>
+inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
+                            const float* p, const T* v, float inv_sum, float* o) {
     __m256 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
     for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
         const __m256 w = _mm256_set1_ps(p[i]);
-        for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + off + 8 * c), acc[c]);
+        for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + off + 8 * c), acc[c]);
     });
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv_sum)));
 }
 
 // Query row t, query head `head` (of KV head head / G): scores, softmax, weighted values. D % 8 == 0.
-void attend_head(const AttentionArgs& a, int t, int head, float* scores) {
+template <typename T>
+void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     const int D = a.D;
     const int64_t* table = a.block_tables + a.row_seq[t] * a.table_stride;
     const int64_t pos = a.row_pos[t];
     const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
     const int64_t n = pos + 1 - first;
     const float* q = a.q + t * a.ldq + (int64_t)head * D;
-    const float* keys = a.kv + (int64_t)(head / a.G) * D;
+    const T* keys = a.kv + (int64_t)(head / a.G) * D;
     const __m128 scale = _mm_set1_ps(a.scale);
-    const float* k[4];
+    const T* k[4];
     int64_t batch_start = 0;
     int filled = 0;
     auto flush = [&]() {
@@ -148,7 +195,7 @@ void attend_head(const AttentionArgs& a, int t, int head, float* scores) {
     float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     for (; i < n; ++i) mx = std::max(mx, scores[i]);
     const float inv_sum = 1.f / softmax_numerators(scores, n, mx);
-    const float* values = a.kv + a.plane + (int64_t)(head / a.G) * D;
+    const T* values = a.kv + a.plane + (int64_t)(head / a.G) * D;
     float* o = a.out + ((int64_t)t * a.H + head) * D;
     for (int d0 = 0; d0 < D; d0 += 64) {  // up to 8 accumulators (64 dims) at a time
         switch (std::min(8, (D - d0) / 8)) {
@@ -164,8 +211,9 @@ void attend_head(const AttentionArgs& a, int t, int head, float* scores) {
     }
 }
 #else
-// Portable version: the same three passes, scalar.
-void attend_head(const AttentionArgs& a, int t, int head, float* scores) {
+// Portable version: the same three passes, scalar (float32 KV only).
+template <typename T>
+void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     const int D = a.D;
     const int64_t* table = a.block_tables + a.row_seq[t] * a.table_stride;
     const int64_t pos = a.row_pos[t];
@@ -190,31 +238,52 @@ void attend_head(const AttentionArgs& a, int t, int head, float* scores) {
 
 }  // namespace
 
-// q: [T, H, D] with row stride ldq; out: [T, H, D] contiguous. Returns 0, or -1 for unsupported shapes.
-extern "C" int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const float* kv,
-                                       int64_t num_blocks, int block_size, int KV, const int64_t* block_tables,
-                                       int64_t table_stride, const int64_t* row_seq, const int64_t* row_pos,
-                                       int window, float softmax_scale, float* out, int nthreads) {
-    if (H % KV || D % 8) return -1;
-    const AttentionArgs a{q, ldq, H, D, H / KV, KV, block_size, window, kv, num_blocks * block_size * KV * D,
-                          (int64_t)KV * D, block_tables, table_stride, row_seq, row_pos, softmax_scale, out};
+namespace {
+
+template <typename T>
+void paged_attention(const AttentionArgs<T>& a, int T_, int nthreads) {
     int64_t max_keys = 0;
-    for (int t = 0; t < T; ++t) max_keys = std::max(max_keys, row_pos[t] + 1);
+    for (int t = 0; t < T_; ++t) max_keys = std::max(max_keys, a.row_pos[t] + 1);
     // Enough rows: one row (all heads, keys read from cache once per head) per work item. Few rows
     // (batch-1 decode): one query head per item, or the other threads would idle.
-    const bool by_row = T >= 2 * nthreads;
+    const bool by_row = T_ >= 2 * nthreads;
 #pragma omp parallel num_threads(nthreads)
     {
         std::vector<float> scores((size_t)max_keys + 8);
         if (by_row) {
 #pragma omp for schedule(dynamic, 1)
-            for (int t = 0; t < T; ++t)
-                for (int h = 0; h < H; ++h) attend_head(a, t, h, scores.data());
+            for (int t = 0; t < T_; ++t)
+                for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data());
         } else {
 #pragma omp for schedule(dynamic, 1) collapse(2)
-            for (int t = 0; t < T; ++t)
-                for (int h = 0; h < H; ++h) attend_head(a, t, h, scores.data());
+            for (int t = 0; t < T_; ++t)
+                for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data());
         }
     }
+}
+
+}  // namespace
+
+// q: [T, H, D] with row stride ldq; out: [T, H, D] contiguous; kv_half: the cache holds float16.
+// Returns 0, or -1 for unsupported shapes (D % 8, H % KV) or float16 without F16C.
+extern "C" int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const void* kv,
+                                       int64_t num_blocks, int block_size, int KV, const int64_t* block_tables,
+                                       int64_t table_stride, const int64_t* row_seq, const int64_t* row_pos,
+                                       int window, float softmax_scale, float* out, int nthreads, int kv_half) {
+    if (H % KV || D % 8) return -1;
+    const int64_t plane = num_blocks * block_size * KV * D, stride = (int64_t)KV * D;
+    if (!kv_half) {
+        paged_attention(AttentionArgs<float>{q, ldq, H, D, H / KV, KV, block_size, window, static_cast<const float*>(kv),
+                                             plane, stride, block_tables, table_stride, row_seq, row_pos,
+                                             softmax_scale, out}, T, nthreads);
+        return 0;
+    }
+#ifdef PAGELLM_SIMD_ATTENTION
+    paged_attention(AttentionArgs<uint16_t>{q, ldq, H, D, H / KV, KV, block_size, window,
+                                            static_cast<const uint16_t*>(kv), plane, stride, block_tables,
+                                            table_stride, row_seq, row_pos, softmax_scale, out}, T, nthreads);
     return 0;
+#else
+    return -1;
+#endif
 }

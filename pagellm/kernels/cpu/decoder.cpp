@@ -20,12 +20,12 @@ void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, f
 void pagellm_rope(float* x, int64_t ldx, int T, int heads, int D, const float* cos_table, const float* sin_table,
                   const int64_t* positions, int nthreads);
 void pagellm_silu_mul(const float* gate_up, int T, int I, float* out, int nthreads);
-void pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D, float* kv,
-                      int64_t num_blocks, int block_size, const int64_t* slots);
-int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const float* kv, int64_t num_blocks,
+int pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D, void* kv,
+                     int64_t num_blocks, int block_size, const int64_t* slots, int kv_half);
+int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const void* kv, int64_t num_blocks,
                             int block_size, int KV, const int64_t* block_tables, int64_t table_stride,
                             const int64_t* row_seq, const int64_t* row_pos, int window, float softmax_scale,
-                            float* out, int nthreads);
+                            float* out, int nthreads, int kv_half);
 }
 
 // Mirrors of the ctypes Structures in pagellm/kernels/decoder.py (field order and types must match).
@@ -47,6 +47,7 @@ struct DecoderLayer {
 struct DecoderDims {
     int32_t hidden, heads, kv_heads, head_dim, intermediate, window;
     int32_t int8_activations;  // int8 x per 32-block in the matmuls (quant_linear.cpp)
+    int32_t kv_half;  // the KV cache holds float16 (attention.cpp)
     float eps, scale;
     const float* rope_cos;
     const float* rope_sin;
@@ -67,9 +68,10 @@ static void matmul(const PackedMatrix& w, const float* x, int T, float* y, bool 
 }
 
 // x: [T, hidden] embeddings in, final normed hidden states out (in place). kv_caches: one pointer per
-// layer to [2, num_blocks, block_size, kv_heads, head_dim]. Returns 0, or the attention kernel's error.
+// layer to [2, num_blocks, block_size, kv_heads, head_dim] (float32, or float16 with kv_half). Returns 0,
+// or the attention kernel's error.
 extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLayer* layers, int num_layers,
-                                       float* const* kv_caches, int64_t num_blocks, int block_size,
+                                       void* const* kv_caches, int64_t num_blocks, int block_size,
                                        const float* final_norm, float* x, int T, const int64_t* positions,
                                        const int64_t* slots, const int64_t* block_tables, int64_t table_stride,
                                        const int64_t* row_seq, int nthreads) {
@@ -86,10 +88,12 @@ extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLay
         pagellm_rope(qkv.data(), qkv_width, T, H + KV, D, dims->rope_cos, dims->rope_sin, positions, nthreads);
         const float* k = qkv.data() + H * D;
         const float* v = k + KV * D;
-        pagellm_write_kv(k, qkv_width, v, qkv_width, T, KV, D, kv_caches[l], num_blocks, block_size, slots);
-        int rc = pagellm_paged_attention(qkv.data(), qkv_width, T, H, D, kv_caches[l], num_blocks, block_size, KV,
+        int rc = pagellm_write_kv(k, qkv_width, v, qkv_width, T, KV, D, kv_caches[l], num_blocks, block_size, slots,
+                                  dims->kv_half);
+        if (!rc)
+            rc = pagellm_paged_attention(qkv.data(), qkv_width, T, H, D, kv_caches[l], num_blocks, block_size, KV,
                                          block_tables, table_stride, row_seq, positions, dims->window, dims->scale,
-                                         attn.data(), nthreads);
+                                         attn.data(), nthreads, dims->kv_half);
         if (rc) return rc;
         matmul(L.o, attn.data(), T, delta.data(), int8_x, nthreads);
         // delta += residual, h = norm(delta): delta is now the residual stream, so swap the names.

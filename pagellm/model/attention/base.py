@@ -48,7 +48,7 @@ BACKEND_NAMES = ("auto", "native", "batched", "reference")
 
 def get_attention_backend(name: str, device: torch.device | None = None,
                           kv_dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """auto: the native kernel on a CPU with float32 KV when it builds, else batched."""
+    """auto: the native kernel on a CPU with a float32 or float16 KV cache when it builds, else batched."""
     from pagellm.kernels import cpu_kernels
     from pagellm.model.attention.batched import BatchedAttention
     from pagellm.model.attention.native import NativeCpuAttention
@@ -56,7 +56,7 @@ def get_attention_backend(name: str, device: torch.device | None = None,
 
     if name == "auto":
         cpu = device is None or torch.device(device).type == "cpu"
-        native = cpu and kv_dtype == torch.float32 and cpu_kernels() is not None
+        native = cpu and kv_dtype in (torch.float32, torch.float16) and cpu_kernels() is not None
         name = "native" if native else "batched"
     backends = {b.name: b for b in (ReferenceAttention, BatchedAttention, NativeCpuAttention)}
     if name not in backends:

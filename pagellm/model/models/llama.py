@@ -102,7 +102,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Returns final hidden states [T, hidden] for every input row."""
-        if input_ids.shape[0] <= PACKED_MAX_ROWS and backend.name == "native" and self._native_decoder():
+        if input_ids.shape[0] <= PACKED_MAX_ROWS and backend.name == "native" and self._native_decoder() \
+                and ops.kv_cache_supported(kv_caches[0]):
             # Decode / verification steps: the same kernels in one native call (no Python between layers).
             return self._native.forward(input_ids, positions, kv_caches, meta)
         x, residual = self.embed(input_ids), None
