@@ -30,7 +30,7 @@ def test_throughput_with_transformers_peer(tiny_hf_model, smollm_gguf_path, tmp_
     lines = text.splitlines()
     assert any(line.startswith("pagellm ") and line.endswith(" 1.0x") for line in lines), text
     assert any(line.startswith("transformers ") for line in lines), text
-    assert "memory: peak RSS pagellm " in text and "KV bytes/token: pagellm 512 (float32, 4 MiB" in text
+    assert "memory: peak RSS pagellm " in text and "KV bytes/token: pagellm 512 (float32, KV float32, 4 MiB" in text
 
     report = json.loads(out_json.read_text())
     rows = {r["engine"]: r for r in report["results"]}

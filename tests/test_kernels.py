@@ -134,7 +134,11 @@ def test_add_rmsnorm_rope_silu_match_torch():
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :20]) * gate_up[:, 20:])
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+F16_KV = pytest.param(torch.float16, marks=pytest.mark.skipif(
+    cpu_kernels() is None or not ops.kv_dtype_supported(torch.float16), reason="no F16C in this build"))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, F16_KV])
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_attention_matches_reference(window, kv_dtype):
     """A mixed step: a decode row, a 3-row verification, a 7-row prefill chunk on a cached prefix;
@@ -165,7 +169,7 @@ def test_paged_attention_matches_reference(window, kv_dtype):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, F16_KV])
 def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype):
     """A row's output is bit-identical whether it is attended alone (split by head across threads) or
     among many rows (split by row), whatever its length mod 4 (keys are scored four at a time): what
@@ -177,10 +181,15 @@ def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype):
     positions = torch.tensor([3, 17, 18, 19, 20, 64, 101, 150])
     q = torch.randn(len(positions), heads, d)
     row_seq = torch.zeros(len(positions), dtype=torch.long)
-    together = ops.paged_attention(q, cache, table, row_seq, positions, None, 0.125)
-    for i in range(len(positions)):
-        alone = ops.paged_attention(q[i:i + 1], cache, table, row_seq[:1], positions[i:i + 1], None, 0.125)
-        assert torch.equal(alone[0], together[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # 8 rows >= 2 x threads: split by row; 1 row: split by head
+        together = ops.paged_attention(q, cache, table, row_seq, positions, None, 0.125)
+        for i in range(len(positions)):
+            alone = ops.paged_attention(q[i:i + 1], cache, table, row_seq[:1], positions[i:i + 1], None, 0.125)
+            assert torch.equal(alone[0], together[i])
+    finally:
+        torch.set_num_threads(threads)
     keys = cache[0][table[0]].reshape(-1, kv_heads, d)[:151].float()  # the request's keys in order
     vals = cache[1][table[0]].reshape(-1, kv_heads, d)[:151].float()
     i, p = 6, 101

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.kernels import cpu_kernels
+from pagellm.kernels import cpu_kernels, ops
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(20 + 9 * i)] for i in range(6)]
@@ -83,3 +83,5 @@ def test_float16_cache_with_packed_decoder_and_speculation(smollm_gguf_path):
     want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
     assert spec.engine.scheduler.stats.num_accepted_tokens > 0
+    if ops.kv_dtype_supported(torch.float16):  # the one-call decoder really read the float16 cache
+        assert spec.engine.model._native and spec.engine.model._native.dims.kv_half == 1

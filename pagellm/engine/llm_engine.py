@@ -152,7 +152,7 @@ class LLMEngine:
         self.max_model_len = sched_cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device,
-                                  get_attention_backend(args.attention_backend, self.device, kv_dtype),
+                                  get_attention_backend(args.attention_backend, self.device, kv_dtype, dtype),
                                   Sampler(self.eos_token_ids),
                                   num_host_blocks=num_host_blocks)
         self.proposer = build_proposer(args, self.max_model_len, self.runner, self.model_config, self.device)

@@ -29,6 +29,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "pagellm_has_simd": ([], _i32),
+    "pagellm_has_f16_kv": ([], _i32),
     "pagellm_q4_1_linear": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
     "pagellm_q8_0_linear": ([_p, _i64, _i32, _i32, _p, _p, _i32, _p, _i64, _i32], None),
     "pagellm_q4_1_linear_i8": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),

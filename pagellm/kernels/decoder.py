@@ -69,7 +69,7 @@ class NativeDecoder:
         key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._kv_key:
             self._kv_key, self._kv_ptrs = key, (ctypes.c_void_p * len(key))(*key)
-            self.dims.kv_half = int(kv_caches[0].dtype == torch.float16)
+        self.dims.kv_half = int(kv_caches[0].dtype == torch.float16)  # per call: a new cache may reuse addresses
         x = self.model.embed(input_ids).contiguous()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         tables = meta.block_tables

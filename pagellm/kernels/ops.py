@@ -59,11 +59,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def kv_dtype_supported(dtype: torch.dtype) -> bool:
+    """The attention kernels read float32 caches, and float16 ones where the build converts them (F16C)."""
+    lib = cpu_kernels()
+    if lib is None:
+        return False
+    return dtype == torch.float32 or (dtype == torch.float16 and bool(lib.pagellm_has_f16_kv()))
+
+
 def kv_cache_supported(kv_cache: torch.Tensor) -> bool:
-    """The attention kernels read float32 caches, and float16 ones where the SIMD build converts them."""
-    if kv_cache.dtype == torch.float16:
-        return bool(cpu_kernels().pagellm_has_simd())
-    return kv_cache.dtype == torch.float32
+    return kv_dtype_supported(kv_cache.dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -88,5 +93,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         block_tables.data_ptr(), block_tables.stride(0), row_seq.data_ptr(), row_pos.data_ptr(), window or 0,
         scale, out.data_ptr(), torch.get_num_threads(), int(kv_cache.dtype == torch.float16))
     if rc:
-        raise ValueError(f"paged_attention kernel: unsupported shape (heads {h}, kv heads {num_kv}, head_dim {d})")
+        raise ValueError(f"paged_attention kernel: unsupported shape or KV dtype (heads {h}, kv heads {num_kv}, "
+                         f"head_dim {d}, {kv_cache.dtype})")
     return out

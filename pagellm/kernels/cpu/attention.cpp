@@ -1,4 +1,4 @@
-// Paged attention over a float32 KV cache, reading each request's blocks in place (no gather).
+// Paged attention over a float32 or float16 KV cache, reading each request's blocks in place (no gather).
 // Cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values).
 // Every query row names its request (a row of block_tables) and its position; it attends to keys
 // 0..pos of that request (the last `window` of them when window > 0): one rule that serves decode
@@ -45,6 +45,15 @@ void write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T_, 
 }
 
 }  // namespace
+
+// Whether this build reads and writes float16 KV caches (AVX2 + FMA + F16C).
+extern "C" int pagellm_has_f16_kv() {
+#ifdef PAGELLM_SIMD_ATTENTION
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 // Writes the step's new keys/values into their slots. k, v: [T, KV, D] with row strides ldk, ldv;
 // kv_half: the cache holds float16. Returns 0, or -1 where float16 is not supported (no F16C).
@@ -244,8 +253,9 @@ template <typename T>
 void paged_attention(const AttentionArgs<T>& a, int T_, int nthreads) {
     int64_t max_keys = 0;
     for (int t = 0; t < T_; ++t) max_keys = std::max(max_keys, a.row_pos[t] + 1);
-    // Enough rows: one row (all heads, keys read from cache once per head) per work item. Few rows
-    // (batch-1 decode): one query head per item, or the other threads would idle.
+    // Enough rows: one row (all heads) per work item; a KV head's keys are walked once per query head
+    // of its group, from cache after the first. Few rows (batch-1 decode): one query head per item, or
+    // the other threads would idle.
     const bool by_row = T_ >= 2 * nthreads;
 #pragma omp parallel num_threads(nthreads)
     {

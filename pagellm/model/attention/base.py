@@ -46,17 +46,18 @@ class AttentionBackend:
 BACKEND_NAMES = ("auto", "native", "batched", "reference")
 
 
-def get_attention_backend(name: str, device: torch.device | None = None,
-                          kv_dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """auto: the native kernel on a CPU with a float32 or float16 KV cache when it builds, else batched."""
-    from pagellm.kernels import cpu_kernels
+def get_attention_backend(name: str, device: torch.device | None = None, kv_dtype: torch.dtype = torch.float32,
+                          compute_dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """auto: the native kernel on a CPU computing in float32 with a KV cache it reads (float32, or float16
+    where the build has F16C), else batched."""
+    from pagellm.kernels import ops
     from pagellm.model.attention.batched import BatchedAttention
     from pagellm.model.attention.native import NativeCpuAttention
     from pagellm.model.attention.reference import ReferenceAttention
 
     if name == "auto":
         cpu = device is None or torch.device(device).type == "cpu"
-        native = cpu and kv_dtype in (torch.float32, torch.float16) and cpu_kernels() is not None
+        native = cpu and compute_dtype == torch.float32 and ops.kv_dtype_supported(kv_dtype)
         name = "native" if native else "batched"
     backends = {b.name: b for b in (ReferenceAttention, BatchedAttention, NativeCpuAttention)}
     if name not in backends:
