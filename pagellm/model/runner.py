@@ -68,29 +68,32 @@ class ModelRunner:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     def _prepare(self, out: SchedulerOutput):
-        ids, positions, starts, seq_lens = [], [], [0], []
-        for s in out.scheduled:
+        # Plain Python lists, one tensor each: a decode step has a handful of rows, and a dozen small
+        # torch ops here cost more than the lists (~0.25 ms of a ~9 ms single-stream step).
+        ids, positions, slots, row_req, starts, seq_lens = [], [], [], [], [0], []
+        bs = self.block_size
+        for i, s in enumerate(out.scheduled):
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
             ids.extend(s.request.all_token_ids[start:end])
             ids.extend(s.spec_token_ids)  # drafts to verify sit after the known tokens
             positions.extend(range(start, end))
+            blocks = s.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            row_req.extend([i] * s.num_new_tokens)
             starts.append(starts[-1] + s.num_new_tokens)
             seq_lens.append(end)
         max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        table = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled],
-                             dtype=torch.int64)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        row_req = torch.repeat_interleave(torch.arange(len(seq_lens)),
-                                          torch.tensor([s.num_new_tokens for s in out.scheduled]))
-        slots = table[row_req, pos // self.block_size] * self.block_size + pos % self.block_size
-        meta_pos = pos.to(self.device)
+        table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled]
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        pos = tensor(positions)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device), block_tables=table.to(self.device), query_start_loc=starts,
-            seq_lens=seq_lens, block_size=self.block_size, sliding_window=self.sliding_window,
-            row_seq=row_req.to(self.device), positions=meta_pos)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, meta_pos, meta
+            slot_mapping=tensor(slots), block_tables=tensor(table), query_start_loc=starts, seq_lens=seq_lens,
+            block_size=bs, sliding_window=self.sliding_window, row_seq=tensor(row_req), positions=pos)
+        return tensor(ids), pos, meta
 
     @torch.inference_mode()
     def forward_logits(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
