@@ -133,6 +133,25 @@ inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_
     }
 }
 
+// What one (query row, query head) pair attends: its request's block table, keys first..pos (n of
+// them), its query vector, the KV head's offset within a token, and its output row.
+struct HeadView {
+    const int64_t* table;
+    int64_t pos, first, n;
+    const float* q;
+    int64_t kv_off;
+    float* out;
+};
+
+template <typename T>
+inline HeadView head_view(const AttentionArgs<T>& a, int t, int head) {
+    const int64_t pos = a.row_pos[t];
+    const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
+    return {a.block_tables + a.row_seq[t] * a.table_stride, pos, first, pos + 1 - first,
+            a.q + t * a.ldq + (int64_t)head * a.D, (int64_t)(head / a.G) * a.D,
+            a.out + ((int64_t)t * a.H + head) * a.D};
+}
+
 #ifdef PAGELLM_SIMD_ATTENTION
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -173,12 +192,11 @@ inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int
 template <typename T>
 void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     const int D = a.D;
-    const int64_t* table = a.block_tables + a.row_seq[t] * a.table_stride;
-    const int64_t pos = a.row_pos[t];
-    const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
-    const int64_t n = pos + 1 - first;
-    const float* q = a.q + t * a.ldq + (int64_t)head * D;
-    const T* keys = a.kv + (int64_t)(head / a.G) * D;
+    const HeadView h = head_view(a, t, head);
+    const int64_t* table = h.table;
+    const int64_t pos = h.pos, first = h.first, n = h.n;
+    const float* q = h.q;
+    const T* keys = a.kv + h.kv_off;
     const __m128 scale = _mm_set1_ps(a.scale);
     const T* k[4];
     int64_t batch_start = 0;
@@ -204,8 +222,8 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     for (; i < n; ++i) mx = std::max(mx, scores[i]);
     const float inv_sum = 1.f / softmax_numerators(scores, n, mx);
-    const T* values = a.kv + a.plane + (int64_t)(head / a.G) * D;
-    float* o = a.out + ((int64_t)t * a.H + head) * D;
+    const T* values = a.kv + a.plane + h.kv_off;
+    float* o = h.out;
     for (int d0 = 0; d0 < D; d0 += 64) {  // up to 8 accumulators (64 dims) at a time
         switch (std::min(8, (D - d0) / 8)) {
             case 8: weighted_values<8>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
@@ -224,24 +242,18 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
 template <typename T>
 void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     const int D = a.D;
-    const int64_t* table = a.block_tables + a.row_seq[t] * a.table_stride;
-    const int64_t pos = a.row_pos[t];
-    const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
-    const int64_t n = pos + 1 - first;
-    const float* q = a.q + t * a.ldq + (int64_t)head * D;
-    const int64_t kv_off = (int64_t)(head / a.G) * D;
+    const HeadView h = head_view(a, t, head);
     float mx = -INFINITY;
-    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
-        scores[i] = dot(q, a.kv + kv_off + off, D) * a.scale;
+    for_each_key(a, h.table, h.first, h.pos, [&](int64_t i, int64_t off) {
+        scores[i] = dot(h.q, a.kv + h.kv_off + off, D) * a.scale;
         mx = std::max(mx, scores[i]);
     });
-    const float inv_sum = 1.f / softmax_numerators(scores, n, mx);
-    float* o = a.out + ((int64_t)t * a.H + head) * D;
-    std::memset(o, 0, sizeof(float) * D);
-    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
-        for (int d = 0; d < D; ++d) o[d] += scores[i] * a.kv[a.plane + kv_off + off + d];
+    const float inv_sum = 1.f / softmax_numerators(scores, h.n, mx);
+    std::memset(h.out, 0, sizeof(float) * D);
+    for_each_key(a, h.table, h.first, h.pos, [&](int64_t i, int64_t off) {
+        for (int d = 0; d < D; ++d) h.out[d] += scores[i] * a.kv[a.plane + h.kv_off + off + d];
     });
-    for (int d = 0; d < D; ++d) o[d] *= inv_sum;
+    for (int d = 0; d < D; ++d) h.out[d] *= inv_sum;
 }
 #endif
 
@@ -283,9 +295,9 @@ extern "C" int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H
     if (H % KV || D % 8) return -1;
     const int64_t plane = num_blocks * block_size * KV * D, stride = (int64_t)KV * D;
     if (!kv_half) {
-        paged_attention(AttentionArgs<float>{q, ldq, H, D, H / KV, KV, block_size, window, static_cast<const float*>(kv),
-                                             plane, stride, block_tables, table_stride, row_seq, row_pos,
-                                             softmax_scale, out}, T, nthreads);
+        paged_attention(AttentionArgs<float>{q, ldq, H, D, H / KV, KV, block_size, window,
+                                             static_cast<const float*>(kv), plane, stride, block_tables,
+                                             table_stride, row_seq, row_pos, softmax_scale, out}, T, nthreads);
         return 0;
     }
 #ifdef PAGELLM_SIMD_ATTENTION

@@ -18,8 +18,12 @@ inline float hsum8(__m256 v) {
 struct Quants { __m256 q[4]; };
 
 // 8 bytes from memory, each widened to a 32-bit lane (the load folds into the widening instruction).
-inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline __m256i widen_i8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i widen_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i widen_i8(const int8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
 
 // Each byte is widened to its own 32-bit lane first, and the nibbles are split there (mask, shift):
 // 10 vector ops per block where splitting bytes first and then widening took 13 (and 6 lane-crossing
