@@ -46,6 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None, help="draft model (.gguf or HF dir) with the same vocabulary")
     g.add_argument("--draft-kv-cache-memory", default=d.draft_kv_cache_memory,
                    help="bytes for the draft model's KV cache")
+    g.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help="skip speculation in steps with at least this many running requests")
     g.add_argument("--attention-backend", default=d.attention_backend,
                    help="auto (native CPU kernel when it builds, else batched), native, batched or reference")
     g.add_argument("--packed-weights-only", action=argparse.BooleanOptionalAction, default=d.packed_weights_only,

@@ -183,6 +183,10 @@ class EngineArgs:
     ngram_max: int = 4
     draft_model: str | None = None
     draft_kv_cache_memory: int | str = "256MiB"
+    # No drafts in a step where this many requests or more are running (vLLM's option of the same name):
+    # verification rows cost compute, and with enough rows in the batch that outweighs the saved steps
+    # (on the 2-core CPU, n-gram K=4 already loses at batch 4: benchmarks/results/README.md).
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -191,6 +195,9 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {self.speculative_method!r}")
+        n = self.speculative_disable_by_batch_size
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"speculative_disable_by_batch_size must be an integer >= 1, got {n!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -84,6 +84,30 @@ def test_greedy_identity_in_mixed_batches_with_preemption(tiny, draft_dir, smoll
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_disable_by_batch_size_skips_drafts_only_in_big_steps(tiny, draft_dir, smollm_gguf_path, method):
+    """With 6 requests and the limit at 4, steps verify drafts only once fewer than 4 are running (the
+    shorter requests finish first); output stays identical; a bad limit is refused."""
+    ps = repetitive_prompts(6, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (8, 10, 12, 40, 45, 50)]
+    expected = ids(make(tiny, smollm_gguf_path).generate(ps, params, use_tqdm=False))
+    extra = {"draft_model": draft_dir} if method == "draft" else {}
+    llm = make(tiny, smollm_gguf_path, speculative_method=method, speculative_disable_by_batch_size=4, **extra)
+    eng, drafted_at = llm.engine, []
+    propose = eng.proposer.propose
+
+    def spy(running):
+        drafted_at.append(len(running))
+        propose(running)
+
+    eng.proposer.propose = spy
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    assert drafted_at and max(drafted_at) < 4
+    assert eng.scheduler.stats.num_draft_tokens > 0
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        make(tiny, smollm_gguf_path, speculative_method=method, speculative_disable_by_batch_size=0, **extra)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_identity_against_transformers(tiny, draft_dir, smollm_gguf_path, method):
     from transformers import AutoModelForCausalLM
 

@@ -291,7 +291,13 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
+            running = self.scheduler.running
+            limit = self.args.speculative_disable_by_batch_size
+            if limit is not None and len(running) >= limit:
+                for req in running:  # a draft proposer catches up on the skipped tokens next time
+                    req.clear_spec()
+            else:
+                self.proposer.propose(running)
         sched_out = self.scheduler.schedule()
         sampled = self.runner.execute(sched_out)
         before = {s.request.request_id: s.request.num_output_tokens for s in sched_out.scheduled}
