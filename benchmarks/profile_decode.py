@@ -3,6 +3,7 @@ and the rest (Python, sampling), per token; then cProfile's top functions.
 
     .venv/bin/python benchmarks/profile_decode.py                 # 256 tokens after a short prompt
     .venv/bin/python benchmarks/profile_decode.py --ngram         # the n-gram task of `pagellm bench latency`
+    .venv/bin/python benchmarks/profile_decode.py --prompt-len 1024   # a random 1,024-token prompt: attention's share
 
 Run it alone: the machine has 2 cores.
 """
@@ -10,6 +11,7 @@ Run it alone: the machine has 2 cores.
 import argparse
 import cProfile
 import pstats
+import random
 import time
 
 from pagellm import LLM, SamplingParams
@@ -18,16 +20,22 @@ from pagellm import LLM, SamplingParams
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ngram", action="store_true", help="n-gram speculation (K=4) on the grounded task")
+    ap.add_argument("--prompt-len", type=int, default=None, help="a random prompt of this many tokens")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ns = ap.parse_args()
+    kv = {} if ns.kv_cache_dtype == "auto" else {"kv_cache_dtype": ns.kv_cache_dtype}
     if ns.ngram:
         from pagellm.bench.latency import _prompts
 
-        llm = LLM(None, speculative_method="ngram", num_speculative_tokens=4)
+        llm = LLM(None, speculative_method="ngram", num_speculative_tokens=4, **kv)
         prompt = _prompts(llm.engine.tokenizer, 0, "grounded", 0, 1)[0]
         params = SamplingParams(temperature=0.0, max_tokens=200)
     else:
-        llm = LLM(None)
+        llm = LLM(None, **kv)
         prompt = "Tell me a long story about a dragon."
+        if ns.prompt_len:
+            rng = random.Random(0)
+            prompt = [rng.randrange(100, 40000) for _ in range(ns.prompt_len)]
         params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)  # warm-up (kernel build, prefix cache)
 
