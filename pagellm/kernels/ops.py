@@ -3,6 +3,8 @@ every op has a plain-torch twin in pagellm/model (the slow path, and the referen
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagellm.kernels.build import cpu_kernels
@@ -59,16 +61,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def _has_f16_kv() -> bool:
+    lib = cpu_kernels()
+    return lib is not None and bool(lib.pagellm_has_f16_kv())
+
+
 def kv_dtype_supported(dtype: torch.dtype) -> bool:
     """The attention kernels read float32 caches, and float16 ones where the build converts them (F16C)."""
-    lib = cpu_kernels()
-    if lib is None:
-        return False
-    return dtype == torch.float32 or (dtype == torch.float16 and bool(lib.pagellm_has_f16_kv()))
-
-
-def kv_cache_supported(kv_cache: torch.Tensor) -> bool:
-    return kv_dtype_supported(kv_cache.dtype)
+    if dtype == torch.float16:
+        return _has_f16_kv()
+    return dtype == torch.float32 and cpu_kernels() is not None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:

@@ -78,8 +78,7 @@ class ModelRunner:
             ids.extend(s.request.all_token_ids[start:end])
             ids.extend(s.spec_token_ids)  # drafts to verify sit after the known tokens
             positions.extend(range(start, end))
-            blocks = s.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(start, end))
             row_req.extend([i] * s.num_new_tokens)
             starts.append(starts[-1] + s.num_new_tokens)
             seq_lens.append(end)

@@ -22,7 +22,7 @@ class NativeCpuAttention(AttentionBackend):
         self._reference = ReferenceAttention()
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
-        if not (ops.available(q) and ops.kv_cache_supported(kv_cache) and kv_cache.is_contiguous()
+        if not (ops.available(q) and ops.kv_dtype_supported(kv_cache.dtype) and kv_cache.is_contiguous()
                 and q.shape[-1] % 8 == 0):  # the kernel works in 8-float vectors
             return self._reference.forward(q, k, v, kv_cache, meta, scale)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)

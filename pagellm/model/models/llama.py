@@ -103,7 +103,7 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Returns final hidden states [T, hidden] for every input row."""
         if input_ids.shape[0] <= PACKED_MAX_ROWS and backend.name == "native" and self._native_decoder() \
-                and ops.kv_cache_supported(kv_caches[0]):
+                and ops.kv_dtype_supported(kv_caches[0].dtype):
             # Decode / verification steps: the same kernels in one native call (no Python between layers).
             return self._native.forward(input_ids, positions, kv_caches, meta)
         x, residual = self.embed(input_ids), None

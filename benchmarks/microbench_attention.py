@@ -1,0 +1,58 @@
+"""The native paged-attention kernel alone (SmolLM2's shapes: 9 query heads, 3 KV heads, head_dim 64).
+
+    .venv/bin/python benchmarks/microbench_attention.py
+
+1. Batched decode: 64 rows (one per request) over 300 keys each, float32 vs float16 KV cache.
+2. Prefill chunks: the kernel vs the SDPA reference path (`ReferenceAttention.attend`), which is what
+   `NativeCpuAttention.max_native_queries` chooses between. Milliseconds, median of 7.
+Run it alone: the machine has 2 cores.
+"""
+
+import statistics
+import time
+from functools import partial
+
+import torch
+
+from pagellm.kernels import ops
+from pagellm.model.attention.base import AttentionMetadata
+from pagellm.model.attention.reference import ReferenceAttention
+
+BS, KV, H, D = 16, 3, 9, 64
+
+
+def median_ms(fn, reps: int = 7) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def batched_decode(rows: int = 64, keys: int = 300) -> None:
+    per = -(-keys // BS)
+    cache = torch.randn(2, rows * per, BS, KV, D)
+    table = torch.randperm(rows * per).reshape(rows, per)
+    pos, seq, q = torch.full((rows,), keys - 1), torch.arange(rows), torch.randn(rows, H, D)
+    for dtype in (torch.float32, torch.float16):
+        c = cache.to(dtype)
+        ms = median_ms(partial(ops.paged_attention, q, c, table, seq, pos, None, 0.125))
+        print(f"{rows} decode rows x {keys} keys, {str(dtype).removeprefix('torch.')} KV: {ms:.2f} ms")
+
+
+def prefill_chunks() -> None:
+    cache = torch.randn(2, 64, BS, KV, D)
+    for seq_len, new in ((128, 128), (512, 512), (512, 64), (1000, 200)):
+        table = torch.arange(-(-seq_len // BS)).unsqueeze(0)
+        pos, seq = torch.arange(seq_len - new, seq_len), torch.zeros(new, dtype=torch.long)
+        q = torch.randn(new, H, D)
+        meta = AttentionMetadata(seq, table, [0, new], [seq_len], BS, None, seq, pos)
+        native = median_ms(partial(ops.paged_attention, q, cache, table, seq, pos, None, 0.125))
+        sdpa = median_ms(partial(ReferenceAttention().attend, q, cache, meta, 0.125, [0]))
+        print(f"prefill chunk of {new} rows at {seq_len} keys: native {native:.2f} ms, SDPA {sdpa:.2f} ms")
+
+
+if __name__ == "__main__":
+    batched_decode()
+    prefill_chunks()
