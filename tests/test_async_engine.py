@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 
 import pytest
+from polling import async_wait_until
 
 from pagellm import SamplingParams
 from pagellm.config import EngineArgs
@@ -39,10 +40,11 @@ def run(engine, body, **kw):
 
 def sync_greedy(engine, prompt, params=GREEDY):
     rid = engine.add_request(None, prompt, params)
-    while True:
+    for _ in range(10 * params.max_tokens + 100):  # far more steps than the request can take
         for out in engine.step():
             if out.request_id == rid and out.finished:
                 return out.outputs[0].token_ids
+    raise AssertionError(f"request {rid} did not finish")
 
 
 async def collect(ae, prompt, params=GREEDY, **kw):
@@ -75,10 +77,8 @@ def test_a_consumer_that_stops_reading_aborts_its_request(engine):
                 seen += 1
                 if seen == 3:
                     break
-        for _ in range(100):  # the abort lands between steps
-            if not engine.has_unfinished_requests():
-                break
-            await asyncio.sleep(0.01)
+        # the abort lands between steps
+        await async_wait_until(lambda: not engine.has_unfinished_requests(), what="abort applied")
         return ae.snapshot
 
     snap = run(engine, body)
@@ -89,16 +89,12 @@ def test_a_consumer_that_stops_reading_aborts_its_request(engine):
 def test_cancelled_task_aborts_its_request(engine):
     async def body(ae):
         task = asyncio.ensure_future(collect(ae, PROMPTS[1], LONG))
-        while not engine.has_unfinished_requests():
-            await asyncio.sleep(0.005)
+        await async_wait_until(engine.has_unfinished_requests, what="request admitted")
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if not engine.has_unfinished_requests():
-                return True
-            await asyncio.sleep(0.01)
-        return False
+        await async_wait_until(lambda: not engine.has_unfinished_requests(), what="abort applied")
+        return True
 
     assert run(engine, body)
 
@@ -127,8 +123,7 @@ def test_queue_limit(engine, monkeypatch):
 
     async def body(ae):
         running = await ae.add_request(PROMPTS[0], LONG)
-        while engine.scheduler.num_running == 0:
-            await asyncio.sleep(0.005)
+        await async_wait_until(lambda: engine.scheduler.num_running > 0, what="first request running")
         waiting = await ae.add_request(PROMPTS[1], LONG)  # max_num_seqs=1: it has to wait
         with pytest.raises(QueueFullError, match="full"):
             await ae.add_request(PROMPTS[2], GREEDY)
@@ -139,17 +134,29 @@ def test_queue_limit(engine, monkeypatch):
 
 
 def test_drain_finishes_short_requests_and_aborts_long_ones(engine):
+    """Drain waits for in-flight requests and aborts what is left when it gives up. Nothing here depends on
+    the CPU's speed: the long request has produced a token before the drain starts, and the drain gives up
+    as soon as the short one is done (a 2-token request in the same batches as a 900-token one always
+    finishes first), so the long one is still running when it is aborted."""
     async def body(ae):
+        long_started = asyncio.Event()
+
+        async def collect_long():
+            last = None
+            async for out in ae.generate(PROMPTS[5], LONG):
+                last = out
+                long_started.set()
+            return last
+
+        long = asyncio.ensure_future(collect_long())
         short = asyncio.ensure_future(collect(ae, PROMPTS[4], SamplingParams(temperature=0, max_tokens=2)))
-        long = asyncio.ensure_future(collect(ae, PROMPTS[5], LONG))
-        while engine.get_num_unfinished_requests() < 2:
-            await asyncio.sleep(0.005)
-        await ae.drain(0.3)
+        await asyncio.wait_for(long_started.wait(), 30)
+        await ae.drain(60.0, give_up=short.done)
         with pytest.raises(RuntimeError, match="shutting down"):
             await ae.add_request(PROMPTS[6], GREEDY)
-        return await short, await long
+        return await asyncio.wait_for(short, 30), await asyncio.wait_for(long, 30)
 
     short, long = run(engine, body)
-    assert short.outputs[0].finish_reason == "length"
+    assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 2
     assert long.finished and long.outputs[0].finish_reason == "abort"
     assert 0 < len(long.outputs[0].token_ids) < 900

@@ -18,6 +18,7 @@ import time
 import httpx
 import openai
 import pytest
+from polling import async_wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm import LLM, SamplingParams
@@ -408,8 +409,8 @@ def test_smollm_queue_limit_and_timeout(smol):
                 lines = running.aiter_lines()
                 await anext(lines)  # it runs; max-num-seqs 1 makes the next one wait
                 waiting = asyncio.ensure_future(c.post("/v1/completions", json=long))
-                while smol.metrics()["pagellm:num_requests_waiting"] < 1:
-                    await asyncio.sleep(0.02)
+                await async_wait_until(lambda: smol.metrics()["pagellm:num_requests_waiting"] >= 1,
+                                       interval=0.02, what="second request waiting")
                 full = await c.post("/v1/completions", json=long)
                 assert full.status_code == 503 and full.headers["retry-after"]
                 assert full.json()["error"]["code"] == "queue_full"

@@ -65,6 +65,8 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while pending:
+                if not self.engine.has_unfinished_requests():  # never spin on an engine with no work
+                    raise RuntimeError(f"{len(pending)} request(s) vanished from the engine unfinished")
                 for out in self.engine.step():
                     if out.finished and out.request_id in pending:
                         results[out.request_id] = out
