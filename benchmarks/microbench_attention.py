@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/microbench_attention.py
 
 1. Batched decode: 64 rows (one per request) over 300 keys each, float32 vs float16 KV cache.
-2. Prefill chunks: the kernel vs the SDPA reference path (`ReferenceAttention.attend`), which is what
-   `NativeCpuAttention.max_native_queries` chooses between. Milliseconds, median of 7.
+2. Prefill chunks: the kernel vs the SDPA reference path (`TorchSdpaReferenceAttention.attend`), which is what
+   `CpuPagedAttention.max_native_queries` chooses between. Milliseconds, median of 7.
 Run it alone: the machine has 2 cores.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from pagellm.kernels import ops
 from pagellm.model.attention.base import AttentionMetadata
-from pagellm.model.attention.reference import ReferenceAttention
+from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
 
 BS, KV, H, D = 16, 3, 9, 64
 
@@ -49,7 +49,7 @@ def prefill_chunks() -> None:
         q = torch.randn(new, H, D)
         meta = AttentionMetadata(seq, table, [0, new], [seq_len], BS, None, seq, pos)
         native = median_ms(partial(ops.paged_attention, q, cache, table, seq, pos, None, 0.125))
-        sdpa = median_ms(partial(ReferenceAttention().attend, q, cache, meta, 0.125, [0]))
+        sdpa = median_ms(partial(TorchSdpaReferenceAttention().attend, q, cache, meta, 0.125, [0]))
         print(f"prefill chunk of {new} rows at {seq_len} keys: native {native:.2f} ms, SDPA {sdpa:.2f} ms")
 
 

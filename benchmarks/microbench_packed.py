@@ -14,10 +14,10 @@ import time
 import torch
 
 from pagellm.kernels import blas, ops
-from pagellm.model.layers.quant import PackedWeight, pack_gguf_blocks
 from pagellm.model.loader import resolve_model_path
 from pagellm.model.loader.gguf_loader import dequantize_tensor
 from pagellm.model.loader.gguf_reader import GGUFFile
+from pagellm.quant.formats import PackedWeight, pack_gguf_blocks
 
 
 def main() -> None:

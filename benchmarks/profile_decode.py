@@ -25,10 +25,10 @@ def main() -> None:
     ns = ap.parse_args()
     kv = {} if ns.kv_cache_dtype == "auto" else {"kv_cache_dtype": ns.kv_cache_dtype}
     if ns.ngram:
-        from pagellm.bench.latency import _prompts
+        from pagellm.bench.common import latency_prompts
 
         llm = LLM(None, speculative_method="ngram", num_speculative_tokens=4, **kv)
-        prompt = _prompts(llm.engine.tokenizer, 0, "grounded", 0, 1)[0]
+        prompt = latency_prompts(llm.engine.tokenizer, 0, "grounded", 0, 1)[0]
         params = SamplingParams(temperature=0.0, max_tokens=200)
     else:
         llm = LLM(None, **kv)
@@ -40,8 +40,12 @@ def main() -> None:
     llm.generate([prompt], params, use_tqdm=False)  # warm-up (kernel build, prefix cache)
 
     model, spent = llm.engine.model, {"forward": 0.0, "compute_logits": 0.0}
-    for name in spent:
-        inner = getattr(model, name)
+    # few-row steps run the runner's compiled decoder (when there is one) instead of the module forward
+    targets = [(model, "forward", "forward"), (model, "compute_logits", "compute_logits")]
+    if llm.engine.runner.compiled_decoder is not None:
+        targets.append((llm.engine.runner.compiled_decoder, "forward", "forward"))
+    for obj, attr, name in targets:
+        inner = getattr(obj, attr)
 
         def timed(*a, _inner=inner, _name=name, **k):
             t = time.perf_counter()
@@ -49,7 +53,7 @@ def main() -> None:
             spent[_name] += time.perf_counter() - t
             return out
 
-        setattr(model, name, timed)
+        setattr(obj, attr, timed)
     steps = llm.engine.stats.steps
     t = time.perf_counter()
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]

@@ -210,10 +210,10 @@ def test_kv_cache_memory_is_resident_only_once_written():
     cache adds little RSS until it is filled (the fill proves the measurement can see it)."""
     import torch
 
-    from pagellm.model.runner import zeros_on_touch
+    from pagellm.platforms.cpu import zeros_on_touch
 
     before = _rss_bytes()
-    cache = zeros_on_touch((2, 2048, 16, 8, 256), torch.float32, torch.device("cpu"))  # 512 MiB
+    cache = zeros_on_touch((2, 2048, 16, 8, 256), torch.float32)  # 512 MiB
     assert cache.shape == (2, 2048, 16, 8, 256) and cache.dtype == torch.float32
     assert cache[:, ::97].abs().sum().item() == 0  # reads as zeros
     assert _rss_bytes() - before < 128 * 2**20

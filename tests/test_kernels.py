@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from pagellm.kernels import cpu_kernels, ops
 from pagellm.model.attention.base import AttentionMetadata
-from pagellm.model.attention.reference import ReferenceAttention
-from pagellm.model.layers.quant import FORMATS, PackedWeight, pack_gguf_blocks
+from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
+from pagellm.quant.formats import FORMATS, PackedWeight, pack_gguf_blocks
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native CPU kernels could not be built here")
 
@@ -83,7 +83,7 @@ def test_blas_matmul_layouts_and_checks():
     for x in (torch.randn(7, 96), torch.randn(7, 200)[:, :96], torch.randn(1, 96).expand(5, 96)):
         torch.testing.assert_close(blas.matmul(x, w), x @ w)
         torch.testing.assert_close(blas.matmul(x, w.t().contiguous().t(), torch.ones(40)), x @ w + 1)
-    if blas.ready():
+    if blas.sgemm_available():
         with pytest.raises(ValueError, match="columns"):
             blas.matmul(torch.randn(3, 95), w)
 
@@ -123,7 +123,7 @@ def test_add_rmsnorm_rope_silu_match_torch():
     rot = RotaryEmbedding(16, 64, 10000.0)
     qkv = torch.randn(4, 3 * 16 + 16)  # 2 q heads + 1 k head rotated, 1 v head left alone
     pos = torch.tensor([0, 5, 17, 63])
-    q, k = rot(pos, qkv[:, :32].reshape(4, 2, 16), qkv[:, 32:48].reshape(4, 1, 16))
+    q, k = rot.rotate(pos, qkv[:, :32].reshape(4, 2, 16), qkv[:, 32:48].reshape(4, 1, 16))
     v = qkv[:, 48:].clone()
     ops.rope_(qkv, 3, 16, rot.cos, rot.sin, pos)
     torch.testing.assert_close(qkv[:, :32].reshape(4, 2, 16), q)
@@ -162,7 +162,7 @@ def test_paged_attention_matches_reference(window, kv_dtype):
     meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables), [0, 1, 4, 11], seq_lens, block_size, window,
                              torch.tensor(row_seq), torch.tensor(positions))
     ref_cache = cache.clone()
-    ref = ReferenceAttention().forward(q, k, v, ref_cache, meta, 0.25)
+    ref = TorchSdpaReferenceAttention().forward(q, k, v, ref_cache, meta, 0.25)
     ops.write_kv(k, v, cache, meta.slot_mapping)
     assert torch.equal(cache, ref_cache)
     got = ops.paged_attention(q, cache, meta.block_tables, meta.row_seq, meta.positions, window, 0.25)
@@ -206,10 +206,10 @@ def test_engine_greedy_ids_equal_with_and_without_kernels(smollm_gguf_path, monk
     prompts = ["The capital of France is", "def fib(n):\n    ", "List three colors: red, green,"]
     params = SamplingParams(temperature=0.0, max_tokens=48)
     fast = LLM(smollm_gguf_path, speculative_method="ngram")
-    assert type(fast.engine.runner.backend).__name__ == "NativeCpuAttention"
+    assert type(fast.engine.runner.backend).__name__ == "CpuPagedAttention"
     assert fast.engine.model.layers[0].mlp.gate_up_proj.packed is not None
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
-    monkeypatch.setattr(ops, "ENABLED", False)
+    monkeypatch.setenv("PAGELLM_CPU_KERNELS", "0")
     slow = LLM(smollm_gguf_path, attention_backend="batched")
     want = [o.outputs[0].token_ids for o in slow.generate(prompts, params, use_tqdm=False)]
     assert got == want
@@ -221,12 +221,12 @@ def test_native_decoder_equals_module_path(smollm_gguf_path):
     from pagellm import LLM, SamplingParams
 
     llm = LLM(smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=3)
-    model = llm.engine.model
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3)
     prompts = ["Repeat: one two three one two three one two", "Hello"]
+    runner = llm.engine.runner
     with_native = llm.generate(prompts, params, use_tqdm=False)
-    assert model._native
-    model._native = False
+    assert runner.compiled_decoder is not None
+    runner.compiled_decoder = None  # every step through the module path (the same kernels, op by op)
     llm.reset_prefix_cache()  # recompute the prompts the same way as the first run
     without = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(with_native, without, strict=True):
@@ -252,16 +252,16 @@ def test_native_paths_match_plain_torch_on_tiny_models(tiny_hf_model, tiny_gguf_
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
 
     def run(native: bool):
-        monkeypatch.setattr(ops, "ENABLED", native)
+        monkeypatch.setenv("PAGELLM_CPU_KERNELS", "1" if native else "0")
         llm = LLM(path, tokenizer=smollm_gguf_path, attention_backend="auto" if native else "reference",
                   kv_cache_memory="8MiB")
         outs = llm.generate(prompts, params, use_tqdm=False)
         return llm, [o.outputs[0] for o in outs]
 
     llm, fast = run(True)
-    assert type(llm.engine.runner.backend).__name__ == "NativeCpuAttention"
+    assert type(llm.engine.runner.backend).__name__ == "CpuPagedAttention"
     if not overrides:
-        assert llm.engine.model._native, "the one-call decoder should serve these few-row steps"
+        assert llm.engine.runner.compiled_decoder, "the one-call decoder should serve these few-row steps"
     _, slow = run(False)
     for a, b in zip(fast, slow, strict=True):
         assert a.token_ids == b.token_ids
@@ -328,7 +328,7 @@ def test_packed_weights_only_gives_the_same_tokens_with_less_memory(smollm_gguf_
     read the GGUF blocks, dequantized to the same values, so greedy output equals that of an engine that
     keeps float32 copies."""
     from pagellm import LLM, SamplingParams
-    from pagellm.model.layers.quant import PACKED_MAX_ROWS
+    from pagellm.quant.formats import PACKED_MAX_ROWS
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     prompts = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in

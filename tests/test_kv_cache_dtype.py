@@ -42,7 +42,7 @@ def test_every_attention_backend_reads_the_same_float16_cache(make_llm):
     want = greedy_ids(make_llm(kv_cache_dtype="float16", attention_backend="reference"))
     native = make_llm(kv_cache_dtype="float16")
     if ops.kv_dtype_supported(torch.float16):  # else auto picks batched: the build has no F16C
-        assert type(native.engine.runner.backend).__name__ == "NativeCpuAttention"
+        assert type(native.engine.runner.backend).__name__ == "CpuPagedAttention"
     assert greedy_ids(native) == want
     assert greedy_ids(make_llm(kv_cache_dtype="float16", attention_backend="batched")) == want
     # 24 blocks of 16 tokens (float16: 2 layers x 2 kv heads x 16 dims x K,V x 2 bytes per token)
@@ -84,4 +84,4 @@ def test_float16_cache_with_packed_decoder_and_speculation(smollm_gguf_path):
     assert spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
     assert spec.engine.scheduler.stats.num_accepted_tokens > 0
     if ops.kv_dtype_supported(torch.float16):  # the one-call decoder really read the float16 cache
-        assert spec.engine.model._native and spec.engine.model._native.dims.kv_half == 1
+        assert spec.engine.runner.compiled_decoder and spec.engine.runner.compiled_decoder.dims.kv_half == 1

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagellm.model.sampler import Sampler, SamplingRow
+from pagellm.sample.sampler import Sampler, SamplingRow
 from pagellm.sampling_params import SamplingParams
 
 EOS = 3

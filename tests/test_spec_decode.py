@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.sample.rejection import verify
 from pagellm.spec_decode.ngram import propose_ngram
-from pagellm.spec_decode.rejection import verify
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
@@ -201,7 +201,7 @@ def test_sampling_distribution_is_unchanged(tiny_hf_model, smollm_gguf_path, met
 
 
 def test_smollm2_greedy_identity_with_both_proposers(smollm_gguf_path, tmp_path):
-    from pagellm.bench.latency import GROUNDED_PROMPT
+    from pagellm.bench.common import GROUNDED_PROMPT
     from scripts.make_draft_model import make_draft
 
     draft = make_draft(smollm_gguf_path, 2, str(tmp_path / "draft"))

@@ -12,14 +12,10 @@ import heapq
 from dataclasses import dataclass, field
 
 from pagellm.request import Request
+from pagellm.sample.beam import beams_to_keep
 from pagellm.sampling_params import SamplingParams
 
 _NEG = -1.0e9  # transformers' "impossible" score
-
-
-def beams_to_keep(params: SamplingParams, num_eos: int) -> int:
-    """Candidates kept per step: enough that k beams survive even if some candidates end on EOS."""
-    return max(2, 1 + (0 if params.ignore_eos else num_eos)) * params.beam_width
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 import uuid
@@ -15,21 +14,20 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.output_processor import RequestState, SequenceState
-from pagellm.kernels import blas, cpu_kernels, ops
 from pagellm.model.attention import get_attention_backend
-from pagellm.model.loader import iter_weights, load_config, resolve_model_path
-from pagellm.model.models.llama import MODEL_REGISTRY
+from pagellm.model.loader import load_config, resolve_model_path
+from pagellm.model.loader.model_loader import get_model, model_weight_bytes
 from pagellm.model.runner import ModelRunner
-from pagellm.model.sampler import Sampler
 from pagellm.outputs import RequestOutput
+from pagellm.platforms import Platform, get_platform
+from pagellm.platforms.base import DTYPES
 from pagellm.request import Request, RequestStatus
+from pagellm.sample import Sampler, StepSampler
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.proposers import DraftModelProposer, NgramProposer
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagellm")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -42,57 +40,19 @@ class EngineStats:
     steps: int = 0
 
 
-def load_model(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               packed_only: bool = False) -> torch.nn.Module:
-    """packed_only: keep quantized matrices only in their GGUF block form where the native kernels read
-    them (each float32 copy is freed as soon as its packed twin has arrived)."""
-    arch = cfg.architecture
-    if arch not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(MODEL_REGISTRY)})")
-    with torch.device("meta"):
-        model = MODEL_REGISTRY[arch](cfg)
-    model = model.to_empty(device=device).to(dtype)
-    # Buffers computed at init were lost on the meta device; rebuild them for real.
-    from pagellm.model.layers.rotary import RotaryEmbedding
-
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                   cfg.rope_scaling).to(device)
-    # Packed (GGUF block) copies only where the native kernels will read them.
-    packed = device.type == "cpu" and dtype == torch.float32 and cpu_kernels() is not None and ops.ENABLED
-    # Loading churns through tens of MiB-sized temporaries on worker threads; below glibc's grown mmap
-    # threshold they pile up in per-thread arenas (peak RSS 1.5 GiB for a 0.45 GiB model). Map them
-    # directly while loading, then allow the usual 32 MiB (the dynamic threshold's ceiling).
-    _mmap_threshold(1 << 20)
-    try:
-        model.load_weights(iter_weights(path, cfg, dtype, packed=packed), drop_float=packed and packed_only)
-    finally:
-        _mmap_threshold(32 << 20)
-    _release_freed_memory()
-    return model.eval()
-
-
-def _mmap_threshold(nbytes: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
-def _release_freed_memory() -> None:
-    """Dequantizing on worker threads leaves ~600 MiB of freed buffers in glibc's per-thread arenas
-    (measured with SmolLM2); hand them back to the OS before the KV cache is allocated on top."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V for every layer of block_size tokens (DESIGN.md §4)."""
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * dtype.itemsize
 
 
-def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRunner, cfg: ModelConfig, device):
+def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache element type: `auto` follows the compute dtype."""
+    name = args.kv_dtype_name
+    return dtype if name == "auto" else DTYPES[name]
+
+
+def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRunner, sampler: Sampler,
+                   cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device):
     if args.speculative_method is None:
         return None
     if args.speculative_method == "ngram":
@@ -104,38 +64,34 @@ def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRun
     if draft_cfg.vocab_size != cfg.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs from the target's "
                          f"({cfg.vocab_size})")
-    kv_dtype = _DTYPES[args.kv_dtype_name]
-    draft = load_model(path, draft_cfg, _DTYPES[args.dtype], device)
+    kv_dtype = resolve_kv_dtype(args, dtype)
+    draft = get_model(path, draft_cfg, platform, dtype, device, packed_weights_only=False)
     num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
-    runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, target_runner.backend,
-                         target_runner.sampler)
+    runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, target_runner.backend, platform)
     logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
-    return DraftModelProposer(runner, KVCacheManager(num_blocks, args.block_size), args.num_speculative_tokens,
-                              max_model_len)
+    return DraftModelProposer(runner, sampler, KVCacheManager(num_blocks, args.block_size),
+                              args.num_speculative_tokens, max_model_len)
 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
         self.args = args
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
+        self.platform = platform = get_platform(args.device)
+        platform.set_num_threads(args.num_threads)
         torch.manual_seed(args.seed)  # unseeded sampling is reproducible per engine run
         self.device = torch.device(args.device)
-        dtype = _DTYPES[args.dtype]
+        self.dtype = dtype = platform.resolve_dtype(args.dtype)
         path = resolve_model_path(args.model)
         self.model_path = path
         self.model_config = cfg = load_config(path)
         self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
-        self.model = load_model(path, cfg, dtype, self.device, packed_only=args.packed_weights_only and blas.ready())
-        for m in self.model.modules():
-            if hasattr(m, "int8_activations"):
-                m.int8_activations = args.int8_activations
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
-            m.packed.nbytes for m in self.model.modules() if getattr(m, "packed", None) is not None)
+        self.model = get_model(path, cfg, platform, dtype, self.device, args.int8_activations,
+                               args.packed_weights_only)
+        self.weights_bytes = model_weight_bytes(self.model)
 
         cache = args.cache_config()
-        kv_dtype = _DTYPES[args.kv_dtype_name]
+        self.kv_dtype = kv_dtype = resolve_kv_dtype(args, dtype)
         self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, kv_dtype)
         num_blocks = cache.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
@@ -151,19 +107,22 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv_cache, args.preemption_mode)
         self.max_model_len = sched_cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
-        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device,
-                                  get_attention_backend(args.attention_backend, self.device, kv_dtype, dtype),
-                                  Sampler(self.eos_token_ids),
+        backend = get_attention_backend(args.attention_backend, platform, kv_dtype, dtype)
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device, backend, platform,
                                   num_host_blocks=num_host_blocks)
-        self.proposer = build_proposer(args, self.max_model_len, self.runner, self.model_config, self.device)
+        self.step_sampler = StepSampler(Sampler(self.eos_token_ids), self.device)
+        self.proposer = build_proposer(args, self.max_model_len, self.runner, self.step_sampler.sampler,
+                                       self.model_config, platform, dtype, self.device)
         self.requests: dict[str, RequestState] = {}
         self._seq_to_request: dict[str, str] = {}
         self.stats = EngineStats()
         self.startup_seconds = time.perf_counter() - t0
+        logger.info("%s; attention %s%s", platform.summary_line(), backend.name,
+                    ", one-call native decoder" if self.runner.compiled_decoder is not None else "")
         logger.info(
             "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache (%s) %d blocks x %d tokens = "
             "%d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
-            path, cfg.architecture, args.dtype, self.startup_seconds, self.weights_bytes / 2**20, args.kv_dtype_name,
+            path, cfg.architecture, _name(dtype), self.startup_seconds, self.weights_bytes / 2**20, _name(kv_dtype),
             num_blocks,
             cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
             self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)
@@ -299,7 +258,7 @@ class LLMEngine:
             else:
                 self.proposer.propose(running)
         sched_out = self.scheduler.schedule()
-        sampled = self.runner.execute(sched_out)
+        sampled = self.step_sampler(*self.runner.forward_logits(sched_out))
         before = {s.request.request_id: s.request.num_output_tokens for s in sched_out.scheduled}
         progressed = self.scheduler.update(
             sched_out, {rid: [t.token_id for t in tok.tokens] for rid, tok in sampled.items()
@@ -349,3 +308,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

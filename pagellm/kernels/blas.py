@@ -4,7 +4,8 @@ On this project's AMD CPU, MKL's sgemm runs at 45-85 GFLOP/s on the model's shap
 library numpy wheels ship) at 70-150: up to 2x for the same float32 products (benchmarks/NOTES.md).
 Both are float32 GEMMs; only the summation order differs. OpenBLAS runs single-threaded inside the
 OpenMP pool torch uses (cpu/gemm.cpp splits the output), because two thread pools spinning against
-each other on two cores made everything slower. `PAGELLM_CPU_BLAS=torch` keeps torch's GEMM.
+each other on two cores made everything slower. `PAGELLM_CPU_BLAS=torch` keeps torch's GEMM (the CPU
+platform reads it when it decides).
 """
 
 from __future__ import annotations
@@ -12,18 +13,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import numpy as np  # noqa: F401  (loads numpy's OpenBLAS, which _sgemm finds among the loaded libraries)
 import torch
 
-from pagellm.kernels import ops
 from pagellm.kernels.build import cpu_kernels
-from pagellm.model.layers.quant import FORMATS
+from pagellm.quant.formats import FORMATS
 
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("PAGELLM_CPU_BLAS", "openblas") != "torch"  # tests switch it to compare
 _SGEMM64 = ("scipy_cblas_sgemm64_", "cblas_sgemm64_")  # ILP64 builds (numpy >= 1.22 wheels)
 _THREADS = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_")
 
@@ -50,10 +48,10 @@ def _sgemm() -> int | None:
     return None
 
 
-def ready() -> bool:
-    """Whether many-row float32 products can run here (the native kernels, numpy's OpenBLAS, not switched
-    off): also what lets the engine drop float32 weight copies (packed_matmul needs it)."""
-    return ENABLED and ops.ENABLED and cpu_kernels() is not None and _sgemm() is not None
+def sgemm_available() -> bool:
+    """Whether many-row float32 products can run here (the native kernels and numpy's OpenBLAS): also
+    what lets the engine drop float32 weight copies (packed_matmul needs it). The platform asks once."""
+    return cpu_kernels() is not None and _sgemm() is not None
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -75,7 +73,7 @@ def _weight_layout(w: torch.Tensor) -> tuple[int, bool] | None:
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [K, N] (+ bias); w may be a transposed view. torch's GEMM off the CPU/float32 path."""
     layout = _weight_layout(w) if w.dtype == torch.float32 else None
-    if not (layout and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and ready()):
+    if not (layout and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and sgemm_available()):
         return x @ w if bias is None else torch.addmm(bias, x, w)
     x = _rows(x, w.shape[0])
     (m, k), n = x.shape, w.shape[1]
@@ -88,7 +86,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def packed_matmul(x: torch.Tensor, w) -> torch.Tensor | None:
     """x [M, K] @ W^T for a PackedWeight W with no float32 copy kept: slices of W are dequantized (the
     loader's exact values) into a cache-sized buffer and multiplied there. None when it cannot run here."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and ready()):
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and sgemm_available()):
         return None
     if w.kind not in FORMATS:
         raise ValueError(f"packed_matmul: unsupported block format {w.kind!r}")

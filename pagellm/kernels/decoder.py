@@ -1,6 +1,8 @@
 """One native call for a whole few-row forward (decode / verification steps) of a Llama-family model
 whose matmuls are all packed. Same kernels and order as the module-by-module native path in
-pagellm/model/models/llama.py (tests check they agree); it only removes the Python between them."""
+pagellm/model/models/llama.py (tests check they agree); it only removes the Python between them.
+The CPU platform builds it and the model runner owns it; the model is read duck-typed (layers,
+norms, rotary tables, Linear.packed), not imported."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import ctypes
 import torch
 
 from pagellm.kernels.build import cpu_kernels
-from pagellm.kernels.ops import _ptr
+from pagellm.kernels.ops import ptr
+from pagellm.quant.formats import PACKED_MAX_ROWS
 
 _p = ctypes.c_void_p
 
@@ -34,11 +37,13 @@ class DecoderDims(ctypes.Structure):
 def _matrix(linear) -> PackedMatrix:
     w = linear.packed
     return PackedMatrix(0 if w.kind == "q4_1" else 1, w.out_features, w.in_features, w.qs.data_ptr(),
-                        w.d.data_ptr(), _ptr(w.m), _ptr(linear.bias))
+                        w.d.data_ptr(), ptr(w.m), ptr(linear.bias))
 
 
 class NativeDecoder:
     """Holds raw pointers into the model's tensors: valid while the model lives and is not moved."""
+
+    max_rows = PACKED_MAX_ROWS  # steps of more rows take the module path (GEMMs beat the packed kernels)
 
     def __init__(self, model):
         cfg = model.config
@@ -47,7 +52,8 @@ class NativeDecoder:
         attn0 = model.layers[0].self_attn
         self.dims = DecoderDims(cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                                 cfg.intermediate_size, cfg.sliding_window or 0,
-                                int(model.layers[0].mlp.gate_up_proj.int8_activations), 0, model.norm.eps, attn0.scale,
+                                int(model.layers[0].mlp.gate_up_proj.int8_activations), 0, model.norm.eps,
+                                attn0.scale,
                                 model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr())
         self.layers = (DecoderLayer * len(model.layers))(*[
             DecoderLayer(_matrix(layer.self_attn.qkv_proj), _matrix(layer.self_attn.o_proj),

@@ -1,5 +1,6 @@
-"""torch-tensor wrappers around the native CPU kernels. Callers check `available(tensor)` first;
-every op has a plain-torch twin in pagellm/model (the slow path, and the reference in tests)."""
+"""torch-tensor wrappers around the native CPU kernels (float32 CPU tensors). The platform decides once
+whether they run (pagellm/platforms/cpu.py); every op has a plain-torch twin in pagellm/model (the
+`forward_native` of its layer: the portable path, and the reference in tests)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,11 @@ import functools
 import torch
 
 from pagellm.kernels.build import cpu_kernels
-from pagellm.model.layers.quant import PackedWeight
-
-ENABLED = True  # tests switch the native path off to compare with the plain-torch one
+from pagellm.quant.formats import PackedWeight
 
 
-def available(x: torch.Tensor) -> bool:
-    return ENABLED and x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels() is not None
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr(t: torch.Tensor | None) -> int | None:
+    """The tensor's address for a kernel argument, None (NULL) for an absent optional tensor."""
     return None if t is None else t.data_ptr()
 
 
@@ -42,7 +38,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = Fal
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += residual (in place, when given); returns rmsnorm(x) * weight. x: contiguous [T, C]."""
     out = torch.empty_like(x)
-    cpu_kernels().pagellm_add_rmsnorm(x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+    cpu_kernels().pagellm_add_rmsnorm(x.data_ptr(), ptr(residual), weight.data_ptr(), out.data_ptr(),
                                       x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 

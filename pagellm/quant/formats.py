@@ -1,4 +1,4 @@
-"""Weights kept in GGUF block formats (q4_1, q8_0) for the native few-row kernels.
+"""Weight block formats (GGUF q4_1, q8_0): plain data, below both kernels/ and model/.
 
 A `PackedWeight` holds the same numbers as the float32 weight the loader dequantizes (the kernels
 rebuild each weight as d * q (+ m) in float32, the dequantizer's arithmetic), in 4-6x fewer bytes.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.sample.logprobs import log_softmax
 from pagellm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -57,7 +58,7 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         # Raw logprobs come from the model's logits before any processing (vLLM's default).
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+        raw_logprobs = log_softmax(logits) if want_logprobs else None
         x = self.process(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):

@@ -8,8 +8,8 @@ import torch
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagellm.model.sampler import SamplingRow, sampling_probs
 from pagellm.request import Request
+from pagellm.sample.sampler import Sampler, SamplingRow, sampling_probs
 from pagellm.spec_decode.ngram import propose_ngram
 
 
@@ -65,9 +65,11 @@ class DraftModelProposer(Proposer):
     """A smaller model with the same vocabulary drafts k tokens autoregressively, in its own paged KV
     cache. Its KV for accepted tokens is kept; for rejected ones it is rolled back."""
 
-    def __init__(self, runner, kv_cache: KVCacheManager, num_speculative_tokens: int, max_model_len: int):
+    def __init__(self, runner, sampler: Sampler, kv_cache: KVCacheManager, num_speculative_tokens: int,
+                 max_model_len: int):
         super().__init__(num_speculative_tokens, max_model_len)
         self.runner = runner
+        self.sampler = sampler  # the target's logits processing, applied to the draft's logits too
         self.kv = kv_cache
         self.seqs: dict[str, _DraftSeq] = {}
 
@@ -125,7 +127,7 @@ class DraftModelProposer(Proposer):
 
     def _draw(self, req: Request, seq: _DraftSeq, logits: torch.Tensor, drafted: list[int]):
         row = SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + drafted, seq.generator)
-        x = self.runner.sampler.process(logits, [row])
+        x = self.sampler.process(logits, [row])
         if req.params.greedy:
             return int(x.argmax(dim=-1)), None
         q = sampling_probs(x, [row])[0]

@@ -43,7 +43,7 @@ extern "C" void pagellm_sgemm(void* sgemm, const float* x, int64_t ldx, int64_t 
 }
 
 namespace {
-// Rows [n0, n1) of a packed weight (layout of PackedWeight in model/layers/quant.py) as float32 [n, K],
+// Rows [n0, n1) of a packed weight (layout of PackedWeight in pagellm/quant/formats.py) as float32 [n, K],
 // equal, bit for bit, to the float32 weights the GGUF loader produces (q * d, then + m): q * d is exact
 // in float32 (an f16 scale times an integer of at most 8 bits), so fusing the multiply and add changes
 // nothing.

@@ -41,25 +41,3 @@ class AttentionBackend:
         num_kv, head_dim = k.shape[1], k.shape[2]
         kv_cache[0].view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
         kv_cache[1].view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-
-
-BACKEND_NAMES = ("auto", "native", "batched", "reference")
-
-
-def get_attention_backend(name: str, device: torch.device | None = None, kv_dtype: torch.dtype = torch.float32,
-                          compute_dtype: torch.dtype = torch.float32) -> AttentionBackend:
-    """auto: the native kernel on a CPU computing in float32 with a KV cache it reads (float32, or float16
-    where the build has F16C), else batched."""
-    from pagellm.kernels import ops
-    from pagellm.model.attention.batched import BatchedAttention
-    from pagellm.model.attention.native import NativeCpuAttention
-    from pagellm.model.attention.reference import ReferenceAttention
-
-    if name == "auto":
-        cpu = device is None or torch.device(device).type == "cpu"
-        native = cpu and compute_dtype == torch.float32 and ops.kv_dtype_supported(kv_dtype)
-        name = "native" if native else "batched"
-    backends = {b.name: b for b in (ReferenceAttention, BatchedAttention, NativeCpuAttention)}
-    if name not in backends:
-        raise ValueError(f"attention_backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
-    return backends[name]()

@@ -11,19 +11,18 @@ import torch
 
 from pagellm.kernels import ops
 from pagellm.model.attention.base import AttentionBackend, AttentionMetadata
-from pagellm.model.attention.reference import ReferenceAttention
+from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
 
 
-class NativeCpuAttention(AttentionBackend):
-    name = "native"
+class CpuPagedAttention(AttentionBackend):
+    name = "cpu_paged"
     max_native_queries = 16  # new rows per request up to which the kernel serves it
 
     def __init__(self):
-        self._reference = ReferenceAttention()
+        self._reference = TorchSdpaReferenceAttention()
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
-        if not (ops.available(q) and ops.kv_dtype_supported(kv_cache.dtype) and kv_cache.is_contiguous()
-                and q.shape[-1] % 8 == 0):  # the kernel works in 8-float vectors
+        if q.shape[-1] % 8:  # the kernel works in 8-float vectors (the platform chose it for the dtypes)
             return self._reference.forward(q, k, v, kv_cache, meta, scale)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         starts = meta.query_start_loc

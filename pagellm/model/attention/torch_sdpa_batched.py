@@ -1,4 +1,4 @@
-"""Batched paged attention in plain PyTorch: every decode row of the step in one SDPA call.
+"""Batched paged attention in plain PyTorch (torch SDPA): every decode row of the step in one SDPA call.
 
 Decode (one query per request) dominates a continuous-batching step, so those rows are gathered
 into a padded [B, max_len] view of their blocks and attended in a single call, with a key-padding
@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.model.attention.base import AttentionBackend, AttentionMetadata
-from pagellm.model.attention.reference import ReferenceAttention
+from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
 
 
-class BatchedAttention(AttentionBackend):
-    name = "batched"
+class TorchSdpaBatchedAttention(AttentionBackend):
+    name = "torch_sdpa_batched"
 
     def __init__(self):
-        self._reference = ReferenceAttention()
+        self._reference = TorchSdpaReferenceAttention()
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         self.write_kv(k, v, kv_cache, meta.slot_mapping)

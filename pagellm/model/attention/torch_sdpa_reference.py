@@ -1,4 +1,4 @@
-"""Reference paged attention in plain PyTorch: gather each request's blocks, then SDPA with a causal
+"""Reference paged attention in plain PyTorch (torch SDPA): gather each request's blocks, then SDPA with a causal
 mask offset by the cached prefix. One loop over requests; correct for any mix of prefill and decode."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from pagellm.model.attention.base import AttentionBackend, AttentionMetadata
 
 
-class ReferenceAttention(AttentionBackend):
-    name = "reference"
+class TorchSdpaReferenceAttention(AttentionBackend):
+    name = "torch_sdpa_reference"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         self.write_kv(k, v, kv_cache, meta.slot_mapping)

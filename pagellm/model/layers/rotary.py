@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
+
+from pagellm.kernels import ops
+from pagellm.model.layers.custom_op import CustomOp
 
 
 def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -29,17 +31,31 @@ def _inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
+    """Rotates q and k heads in place in the fused qkv output, where they sit side by side in each row."""
+
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None = None):
         super().__init__()
+        self.head_dim = head_dim
         inv_freq = _inv_freq(head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KV, D]; positions: [T]."""
+    def forward_native(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> None:
+        """Rotates the first `heads` heads (q then k) of each row of qkv [T, >= heads * D] in place."""
+        n = heads * self.head_dim
+        x = qkv[:, :n].view(-1, heads, self.head_dim)
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        qkv[:, :n] = (x * cos + _rotate_half(x) * sin).reshape(-1, n)
+
+    def forward_cpu(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> None:
+        ops.rope_(qkv, heads, self.head_dim, self.cos, self.sin, positions)
+
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Out of place, for separate tensors: q: [T, H, D], k: [T, KV, D]; positions: [T]."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

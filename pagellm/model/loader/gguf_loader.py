@@ -13,8 +13,8 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from pagellm.config import ModelConfig
-from pagellm.model.layers.quant import PACKED_SUFFIX, PackedWeight, pack_gguf_blocks
 from pagellm.model.loader.gguf_reader import GGUFFile
+from pagellm.quant.formats import PACKED_SUFFIX, PackedWeight, pack_gguf_blocks
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -107,7 +107,7 @@ def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
     """Dequantize tensor by tensor. torch runs single-threaded until the stream is exhausted or closed.
 
     With packed=True, every q4_1 / q8_0 matrix is also yielded in its block form, named
-    `<hf name>` + PACKED_SUFFIX, right after its dequantized self (see pagellm/model/layers/quant.py)."""
+    `<hf name>` + PACKED_SUFFIX, right after its dequantized self (see pagellm/quant/formats.py)."""
     gf = GGUFFile(path)
     # llama.cpp's llama converter (also used for Mistral) permutes Q/K rows; its qwen2 converter does not.
     permuted = gf.architecture in ("llama", "mistral")

@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.config import ModelConfig
-from pagellm.kernels import blas, ops
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
+from pagellm.model.layers.activation import SiluAndMul
+from pagellm.model.layers.embedding import VocabEmbedding
 from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.norm import RMSNorm
-from pagellm.model.layers.quant import PACKED_MAX_ROWS, PACKED_SUFFIX, PackedWeight
 from pagellm.model.layers.rotary import RotaryEmbedding
+from pagellm.quant.formats import PACKED_SUFFIX, PackedWeight
 
 
 class Attention(nn.Module):
@@ -37,15 +37,11 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend):
         qkv = self.qkv_proj(x)
-        native = ops.available(qkv)
-        if native:  # q and k heads sit side by side in each row: rotate both in place in one call
-            ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rotary.cos, rotary.sin, positions)
+        rotary(positions, qkv, self.num_heads + self.num_kv_heads)  # q and k heads sit side by side
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if not native:
-            q, k = rotary(positions, q, k)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -55,14 +51,11 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, shards=2)
+        self.act = SiluAndMul()
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        if ops.available(gate_up):
-            return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -89,69 +82,34 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Tied checkpoints get a transposed copy of the embedding here (load_weights): the lookup wants
-        # rows of [vocab, hidden], the output layer streams [hidden, vocab] faster.
+        # Tied checkpoints get a transposed copy of the embedding here (load_weights) unless the head
+        # keeps packed blocks: the lookup wants rows of [vocab, hidden], the output layer [hidden, vocab].
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self._native = None  # NativeDecoder, or False when the model cannot use it
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Returns final hidden states [T, hidden] for every input row."""
-        if input_ids.shape[0] <= PACKED_MAX_ROWS and backend.name == "native" and self._native_decoder() \
-                and ops.kv_dtype_supported(kv_caches[0].dtype):
-            # Decode / verification steps: the same kernels in one native call (no Python between layers).
-            return self._native.forward(input_ids, positions, kv_caches, meta)
         x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
         return self.norm(x, residual)[0]
 
-    def _native_decoder(self) -> bool:
-        if not ops.available(self.embed_tokens.weight):
-            return False
-        if self._native is None:  # built on first use, once every weight (and the rotary table) is final
-            from pagellm.kernels.decoder import NativeDecoder
-
-            self._native = NativeDecoder(self) if NativeDecoder.supports(self) else False
-        return bool(self._native)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens.weight.numel() == 0:  # dropped (drop_float_weights): rows of the packed head
-            return self.lm_head.packed.rows(input_ids).dequantize()
         return self.embed_tokens(input_ids)
 
-    def drop_float_weights(self) -> int:
-        """Keeps only the packed (GGUF block) form of every weight that has one; returns the bytes freed.
-        The tied embedding goes too: lookups dequantize their rows of the packed LM head."""
-        freed = sum(m.drop_float_weight() for m in self.modules() if isinstance(m, Linear))
-        if self.config.tie_word_embeddings and self.lm_head.packed is not None:
-            w = self.embed_tokens.weight
-            freed += w.numel() * w.element_size()
-            w.data = torch.empty(0, w.shape[1])
-        self._native = None  # rebuilt with the new pointers on next use
-        return freed
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.shape[0]
-        few_rows = rows <= PACKED_MAX_ROWS and ops.available(hidden)
-        if self.lm_head.packed is not None and (few_rows or self.embed_tokens.weight.numel() == 0):
-            return self.lm_head(hidden)
-        if self.config.tie_word_embeddings and (rows > 1 or self.lm_head.weight_t.numel() == 0):
-            # Several rows: the [vocab, hidden] layout (the embedding itself) is faster here; one row
-            # streams the transposed copy about 2x faster (benchmarks/NOTES.md).
-            return blas.matmul(hidden, self.embed_tokens.weight.t()).float()
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], drop_float: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume Hugging Face-named tensors; q/k/v and gate/up are packed into their fused params.
-        drop_float: a Linear whose every shard came packed frees its float32 weight at once (so the float
-        copies never all coexist), and the tied embedding's goes at the end (drop_float_weights)."""
+        Block-format copies (PackedWeight, named with PACKED_SUFFIX) go to their Linear, whose weight
+        format then decides how it computes (and whether its float copy is freed at once)."""
         params = dict(self.named_parameters())
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -161,10 +119,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             if isinstance(tensor, PackedWeight):
-                module = self._add_packed(name.removesuffix(PACKED_SUFFIX), tensor, fused)
-                if drop_float and module is not None and module.packing_complete():
-                    module.finish_packing()
-                    module.drop_float_weight()
+                self._add_packed(name.removesuffix(PACKED_SUFFIX), tensor, fused)
                 continue
             parts = name.split(".")
             target, shard = name, None
@@ -195,14 +150,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         for module in self.modules():
             if isinstance(module, Linear):
-                module.finish_packing()
+                module.process_after_loading()
         if self.config.tie_word_embeddings:
             if self.lm_head.packed is None:
                 self.lm_head.weight_t.copy_(self.embed_tokens.weight.t())
-            else:  # one-row logits read the packed copy; a transposed float32 one would only cost memory
+            else:  # logits read the packed copy; a transposed float32 one would only cost memory
                 self.lm_head.weight_t.data = torch.empty(0, 0)
-        if drop_float:
-            self.drop_float_weights()
 
     def _add_packed(self, name: str, weight: PackedWeight, fused: dict) -> Linear | None:
         """Route a packed matrix to its Linear (as shard i of a fused one) and return that Linear; the
@@ -230,8 +183,13 @@ class LlamaForCausalLM(nn.Module):
         else:
             sizes = [self.config.intermediate_size] * 2
         start = sum(sizes[:shard])
-        dst = param.narrow(1 if transposed else 0, start, sizes[shard])
-        tensor = tensor.t() if transposed else tensor
+        if tensor.shape[0] != sizes[shard]:
+            raise ValueError(f"{target}[{shard}]: checkpoint shape {tuple(tensor.shape)} has {tensor.shape[0]} "
+                             f"rows, expected {sizes[shard]}")
+        if transposed:  # a Linear's weight: its weight format places the shard
+            self.get_submodule(target.rsplit(".", 1)[0]).load_shard(start, tensor)
+            return
+        dst = param.narrow(0, start, sizes[shard])  # a fused bias
         if dst.shape != tensor.shape:
             raise ValueError(f"{target}[{shard}]: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
         dst.copy_(tensor)

@@ -1,0 +1,56 @@
+"""get_model: config + weights + platform -> a model ready to run (weights final, ops bound)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.config import ModelConfig
+from pagellm.model.layers.custom_op import CustomOp
+from pagellm.model.layers.linear import Linear
+from pagellm.model.layers.rotary import RotaryEmbedding
+from pagellm.model.loader import iter_weights
+from pagellm.model.models.llama import MODEL_REGISTRY
+from pagellm.platforms import Platform
+from pagellm.quant.linear_method import drop_float_weight
+
+
+def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device | None = None,
+              int8_activations: bool = False, packed_weights_only: bool = True) -> torch.nn.Module:
+    """Builds the architecture on the meta device, materialises it on `device`, streams the weights in and
+    lets the platform choose each op's implementation.
+
+    packed_weights_only: keep quantized matrices only in their GGUF block form where the platform's kernels
+    read them (each float copy is freed as soon as its packed twin has arrived; the tied embedding's at the
+    end, its lookups then read rows of the packed LM head)."""
+    arch = cfg.architecture
+    if arch not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(MODEL_REGISTRY)})")
+    device = device or platform.device
+    choices = platform.op_choices(dtype, int8_activations, packed_weights_only)
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[arch](cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers computed at init were lost on the meta device; rebuild them for real.
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                   cfg.rope_scaling).to(device)
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.configure(choices)
+    with platform.loading():
+        # Packed (GGUF block) copies only where the kernels will read them.
+        model.load_weights(iter_weights(path, cfg, dtype, packed=choices.packed_kernels))
+        if cfg.tie_word_embeddings and choices.packed_weights_only and model.lm_head.packed is not None:
+            emb = model.embed_tokens
+            drop_float_weight(model.lm_head)
+            emb.weight.data = torch.empty(0, emb.weight.shape[1], dtype=emb.weight.dtype)
+            emb.tied_head = model.lm_head
+    for m in model.modules():
+        if isinstance(m, CustomOp):
+            m.use(choices.op_impl)
+    return model.eval()
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter plus every packed copy."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)

@@ -1,0 +1,100 @@
+"""The Platform interface: what every device kind decides for the engine."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OpChoices:
+    """Which implementation the model's ops and weight formats use, decided once per model load.
+
+    native_ops: fused native kernels for RMSNorm + residual, RoPE and SiLU-and-mul (`forward_cpu`);
+    packed_kernels: few-row products read GGUF blocks in place; blas_gemm: many-row float32 GEMMs go
+    through numpy's OpenBLAS; int8_activations: packed products round x to int8 (llama.cpp's scheme);
+    packed_weights_only: float copies of packed weights are freed after loading."""
+
+    native_ops: bool = False
+    packed_kernels: bool = False
+    blas_gemm: bool = False
+    int8_activations: bool = False
+    packed_weights_only: bool = False
+
+    @property
+    def op_impl(self) -> str:
+        """The CustomOp implementation name: "cpu" (native kernels) or "native" (plain torch)."""
+        return "cpu" if self.native_ops else "native"
+
+
+class Platform:
+    name = "base"
+    device_type = "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    # ---- decisions --------------------------------------------------------------------------
+    def resolve_dtype(self, requested: str) -> torch.dtype:
+        """The compute dtype for a `--dtype` value; "auto" is the platform's choice."""
+        if requested == "auto":
+            return self.auto_dtype()
+        if requested not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {requested!r}")
+        return DTYPES[requested]
+
+    def auto_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def op_dtypes(self, dtype: torch.dtype) -> dict[str, str]:
+        """The dtype each op class computes in, for `pagellm info` and the bench header."""
+        name = str(dtype).removeprefix("torch.")
+        return {"linear": name, "attention": name, "norm": "float32 (then cast)", "logits": "float32"}
+
+    def op_choices(self, dtype: torch.dtype, int8_activations: bool = False,
+                   packed_weights_only: bool = True) -> OpChoices:
+        return OpChoices(int8_activations=int8_activations)
+
+    def attention_backend(self, requested: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> str:
+        """The backend name for `--attention-backend auto`; other values pass through (checked by the
+        selector)."""
+        return "torch_sdpa_batched" if requested == "auto" else requested
+
+    def kv_dtype_readable_natively(self, kv_dtype: torch.dtype) -> bool:
+        return False
+
+    def compile_decoder(self, model, backend_name: str, kv_dtype: torch.dtype):
+        """A compiled few-row forward for the runner (the CPU's one-call native decoder), or None."""
+        return None
+
+    # ---- memory and threads -----------------------------------------------------------------
+    def allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def allocate_swap(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for swapped-out KV blocks."""
+        return torch.zeros(shape, dtype=dtype)
+
+    def set_num_threads(self, num_threads: int | None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """Wraps weight loading (allocator tuning while tensors churn; memory returned afterwards)."""
+        yield
+
+    # ---- reporting --------------------------------------------------------------------------
+    def describe(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def summary_line(self) -> str:
+        d = self.describe()
+        keys = ("device", "cpu", "gpu", "isa", "kernels", "dtype", "attention_backend", "threads")
+        return "platform: " + "; ".join(f"{k} {d[k]}" for k in keys if k in d)

@@ -1,0 +1,176 @@
+"""The CPU platform: probes the ISA and cores, and decides where the native kernels and OpenBLAS run.
+
+The native kernels (pagellm/kernels/cpu, compiled for the host) compute in float32; so the fused ops,
+the packed GGUF products, the paged attention kernel and the one-call decoder are chosen only for a
+float32 model, and everything else runs the plain-torch implementations (the reference, bit for bit the
+path tests compare against). `PAGELLM_CPU_KERNELS=0` turns the native kernels off; `PAGELLM_CPU_BLAS=torch`
+keeps torch's GEMM for float32 products.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import mmap
+import os
+import platform as _platform
+from collections.abc import Iterator
+from functools import cached_property
+
+import torch
+
+from pagellm.platforms.base import OpChoices, Platform
+
+# /proc/cpuinfo flag -> the name we print; the order is the order `pagellm info` lists them.
+ISA_FLAGS = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
+             "avx512_bf16": "avx512_bf16", "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni",
+             "amx_tile": "amx_tile", "amx_bf16": "amx_bf16", "amx_int8": "amx_int8"}
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    model, flags = _platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("unknown", "", _platform.processor()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor backed by anonymous memory that the OS hands out page by page on first write, so a
+    KV cache costs resident memory only for the blocks requests have used (torch.zeros writes every byte
+    up front: the whole --kv-cache-memory would be resident from the start)."""
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, numel * dtype.itemsize)  # anonymous mapping: reads as zeros, untouched pages cost nothing
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
+
+
+def _mallopt_mmap_threshold(nbytes: int) -> None:
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+
+    def __init__(self):
+        self.cpu_model, flags = _cpuinfo()
+        self.isa = [name for flag, name in ISA_FLAGS.items() if flag in flags]
+        self.num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+    # The switches are read at each decision (not cached), so a test or a user can turn them off per engine.
+    @property
+    def native_kernels(self) -> bool:
+        """Whether the native kernels run here: switched on and built (a compiler was found)."""
+        if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0":
+            return False
+        from pagellm.kernels import cpu_kernels
+
+        return cpu_kernels() is not None
+
+    @property
+    def openblas_gemm(self) -> bool:
+        if not self.native_kernels or os.environ.get("PAGELLM_CPU_BLAS", "openblas") == "torch":
+            return False
+        from pagellm.kernels import blas
+
+        return blas.sgemm_available()
+
+    @cached_property
+    def kernel_build(self) -> dict | None:
+        from pagellm.kernels import build
+
+        return build.build_info() if self.native_kernels else None
+
+    def op_choices(self, dtype: torch.dtype, int8_activations: bool = False,
+                   packed_weights_only: bool = True) -> OpChoices:
+        native = dtype == torch.float32 and self.native_kernels
+        blas = native and self.openblas_gemm
+        # Dropping float copies needs a many-row path over the blocks (OpenBLAS on dequantized slices).
+        return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
+                         int8_activations=native and int8_activations,
+                         packed_weights_only=blas and packed_weights_only)
+
+    def kv_dtype_readable_natively(self, kv_dtype: torch.dtype) -> bool:
+        if not self.native_kernels:
+            return False
+        from pagellm.kernels import ops
+
+        return ops.kv_dtype_supported(kv_dtype)
+
+    def attention_backend(self, requested: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> str:
+        if requested != "auto":
+            return requested
+        native = compute_dtype == torch.float32 and self.kv_dtype_readable_natively(kv_dtype)
+        return "cpu_paged" if native else "torch_sdpa_batched"
+
+    def compile_decoder(self, model, backend_name: str, kv_dtype: torch.dtype):
+        """The one-call native decoder for few-row steps (decode, verification): all packed matmuls, the
+        paged attention kernel and the fused ops of every layer in one native call, no Python between
+        layers. Only where the module path would run those same kernels (so results are identical)."""
+        if backend_name != "cpu_paged" or not self.kv_dtype_readable_natively(kv_dtype):
+            return None
+        from pagellm.kernels.decoder import NativeDecoder
+
+        return NativeDecoder(model) if NativeDecoder.supports(model) else None
+
+    def allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return zeros_on_touch(shape, dtype)
+
+    def allocate_swap(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return zeros_on_touch(shape, dtype)
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        # Loading churns through tens of MiB-sized temporaries on worker threads; below glibc's grown mmap
+        # threshold they pile up in per-thread arenas (peak RSS 1.5 GiB for a 0.45 GiB model). Map them
+        # directly while loading, then allow the usual 32 MiB (the dynamic threshold's ceiling).
+        _mallopt_mmap_threshold(1 << 20)
+        try:
+            yield
+        finally:
+            _mallopt_mmap_threshold(32 << 20)
+        # Dequantizing on worker threads leaves ~600 MiB of freed buffers in glibc's per-thread arenas
+        # (measured with SmolLM2); hand them back to the OS before the KV cache is allocated on top.
+        _malloc_trim()
+
+    def describe(self) -> dict[str, str]:
+        build = self.kernel_build
+        choices = self.op_choices(torch.float32)
+        dtype = self.auto_dtype()
+        return {
+            "device": "cpu",
+            "cpu": f"{self.cpu_model} ({self.num_cores} cores)",
+            "isa": " ".join(self.isa) or "baseline x86-64",
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "kernels": ("off" if build is None else
+                        f"built for -march={build['march']}: paths {', '.join(build['paths'])}"),
+            "kernel_isa": "-" if build is None else " ".join(build["isa"]) or "baseline x86-64",
+            "dtype": f"auto -> {str(dtype).removeprefix('torch.')}",
+            "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
+            "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
+            "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
+            "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
+            "kv_float16_native": str(self.kv_dtype_readable_natively(torch.float16)).lower(),
+            "threads": str(torch.get_num_threads()),
+        }

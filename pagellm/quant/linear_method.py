@@ -1,0 +1,100 @@
+"""How a Linear layer computes with its weights, one LinearMethod per weight format.
+
+A layer keeps its float weight transposed (`weight_t`, [in, out], contiguous: a batch-1 step streams it
+about 1.9x faster than F.linear's [out, in] layout here, benchmarks/NOTES.md) and, for GGUF block formats,
+a `packed` copy. A GGUF file declares its format per tensor, so a layer starts unquantized and switches
+to `GGUFBlocksLinearMethod` when all of its shards have arrived in one block format (loader order: each
+tensor's float form, then its blocks). Which kernels a method calls was decided once by the platform
+(`OpChoices`); nothing here probes hardware.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.kernels import blas, ops
+from pagellm.platforms.base import OpChoices
+from pagellm.quant.formats import PACKED_MAX_ROWS, PackedWeight
+
+
+def torch_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x @ w if bias is None else torch.addmm(bias, x, w)
+
+
+class LinearMethod:
+    name = "base"
+
+    def __init__(self, choices: OpChoices | None = None):
+        self.choices = choices or OpChoices()
+        # float32 many-row products: numpy's OpenBLAS where the platform chose it, else torch's GEMM
+        self.gemm = blas.matmul if self.choices.blas_gemm else torch_matmul
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
+        layer.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        layer.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def load_shard(self, layer: nn.Module, start: int, tensor: torch.Tensor) -> None:
+        """Copy a checkpoint matrix [rows, in] into output rows start:start+rows (q/k/v or gate/up fused)."""
+        dst = layer.weight_t.narrow(1, start, tensor.shape[0])
+        if dst.shape != tensor.t().shape:
+            raise ValueError(f"checkpoint shape {tuple(tensor.shape)} does not fit {tuple(dst.t().shape)}")
+        dst.copy_(tensor.t())
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def int8_activations(self) -> bool:
+        return False
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    name = "unquantized"
+
+    def apply(self, layer, x):
+        return self.gemm(x, layer.weight_t, layer.bias)
+
+
+class GGUFBlocksLinearMethod(LinearMethod):
+    """q4_1/q8_0 blocks: few-row products (decode, verification: at most PACKED_MAX_ROWS rows) read the
+    blocks in place through the native kernels, optionally on int8 activations; many-row ones use the float
+    weight, or, once it is dropped (packed_weights_only), dequantize 128-column slices into a cache-sized
+    buffer for OpenBLAS (the loader's exact values, so the same products)."""
+
+    name = "gguf_blocks"
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.choices.int8_activations
+
+    def process_after_loading(self, layer) -> None:
+        if self.choices.packed_weights_only:
+            drop_float_weight(layer)
+
+    def apply(self, layer, x):
+        packed: PackedWeight = layer.packed
+        if self.choices.packed_kernels and x.shape[0] <= PACKED_MAX_ROWS:
+            y = ops.packed_linear(x, packed, self.choices.int8_activations)
+        elif layer.weight_t.numel() == 0:  # float copy dropped
+            y = blas.packed_matmul(x, packed) if self.choices.blas_gemm else x @ packed.dequantize().t()
+        else:
+            return self.gemm(x, layer.weight_t, layer.bias)
+        return y if layer.bias is None else y.add_(layer.bias)
+
+    @staticmethod
+    def embedding_rows(layer, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the matrix as float32 (a tied embedding whose float copy was dropped looks up here)."""
+        return layer.packed.rows(ids).dequantize()
+
+
+def drop_float_weight(layer: nn.Module) -> int:
+    """Frees a layer's float weight when a packed copy stands in for it; returns the bytes freed."""
+    if getattr(layer, "packed", None) is None or layer.weight_t.numel() == 0:
+        return 0
+    freed = layer.weight_t.numel() * layer.weight_t.element_size()
+    layer.weight_t.data = torch.empty(0, 0)
+    return freed

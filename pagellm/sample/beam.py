@@ -1,0 +1,21 @@
+"""Beam-search candidates: each beam row's best continuations by logprob (the engine expands beams)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.sample.logprobs import log_softmax
+from pagellm.sampling_params import SamplingParams
+
+
+def beams_to_keep(params: SamplingParams, num_eos: int) -> int:
+    """Candidates kept per step: enough that k beams survive even if some candidates end on EOS."""
+    return max(2, 1 + (0 if params.ignore_eos else num_eos)) * params.beam_width
+
+
+def beam_candidates(logits: torch.Tensor, params: list[SamplingParams], num_eos: int) -> list[list[tuple[int, float]]]:
+    """logits [rows, vocab] -> per row (token, logprob) pairs, best first."""
+    logprobs = log_softmax(logits)
+    n = max(beams_to_keep(p, num_eos) for p in params)
+    values, ids = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)
+    return [list(zip(ids[i].tolist(), values[i].tolist(), strict=True)) for i in range(len(params))]

@@ -1,0 +1,118 @@
+"""One step's logits rows -> one SampledToken per request: plain sampling, draft verification (rejection
+sampling) and beam candidates, with logprobs where asked.
+
+Rows come from ModelRunner.forward_logits: for each request that samples, in batch order,
+1 + len(spec_token_ids) rows (the positions that score its drafts, then the next token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.core.scheduler import ScheduledRequest
+from pagellm.sample.beam import beam_candidates
+from pagellm.sample.logprobs import log_softmax
+from pagellm.sample.rejection import verify, verify_greedy
+from pagellm.sample.sampler import Sampler, SamplingRow, sampling_probs
+
+
+@dataclass
+class SampledToken:
+    token_id: int | None  # None for a beam-search row, which returns candidates instead
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    beam_candidates: list[tuple[int, float]] | None = None  # (token, logprob), best first
+    accepted: list[SampledToken] = field(default_factory=list)  # verified draft tokens before this one
+
+    @property
+    def tokens(self) -> list[SampledToken]:
+        return [*self.accepted, self]
+
+
+class StepSampler:
+    def __init__(self, sampler: Sampler, device: torch.device):
+        self.sampler = sampler
+        self.device = device  # where per-request seeded generators live (the logits' device)
+
+    @torch.inference_mode()
+    def __call__(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
+        """A token for each scheduled request (those whose chunk reached its last known token)."""
+        if not scheduled:
+            return {}
+        sampled = {}
+        if any(s.spec_token_ids for s in scheduled):
+            sampled.update(self._verify(scheduled, logits))
+            plain = [j for j, s in enumerate(_row_owner(scheduled)) if not s.spec_token_ids]
+            scheduled = [s for s in scheduled if not s.spec_token_ids]
+            if not scheduled:
+                return sampled
+            logits = logits[plain]
+        reqs = [s.request for s in scheduled]
+        beam = [j for j, req in enumerate(reqs) if req.params.use_beam_search]
+        if beam:
+            cands = beam_candidates(logits[beam], [reqs[j].params for j in beam], len(self.sampler.eos_token_ids))
+            sampled.update({reqs[j].request_id: SampledToken(None, beam_candidates=c)
+                            for j, c in zip(beam, cands, strict=True)})
+            if len(beam) == len(reqs):
+                return sampled
+            keep = [j for j in range(len(reqs)) if j not in set(beam)]
+            logits = logits[keep]
+            reqs = [reqs[j] for j in keep]
+        result = self.sampler(logits, [self.sampling_row(req) for req in reqs])
+        for j, req in enumerate(reqs):
+            sampled[req.request_id] = SampledToken(
+                result.token_ids[j],
+                result.logprobs[j] if result.logprobs is not None else None,
+                result.top_logprobs[j] if result.top_logprobs is not None else None)
+        return sampled
+
+    def _verify(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
+        """Rejection-sample each speculating request's drafts against its k + 1 rows of target logits."""
+        out, row = {}, 0
+        for s in scheduled:
+            n = 1 + len(s.spec_token_ids)
+            if not s.spec_token_ids:
+                row += n
+                continue
+            req, spec = s.request, s.spec_token_ids
+            x = logits[row:row + n]
+            row += n
+            base = self.sampling_row(req)
+            rows = [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + spec[:j], base.generator)
+                    for j in range(n)]
+            processed = self.sampler.process(x, rows)
+            if req.params.greedy:
+                tokens = verify_greedy(processed.argmax(dim=-1).tolist(), spec)
+            else:
+                draft_probs = s.draft_probs.to(self.device) if s.draft_probs is not None else None
+                tokens = verify(sampling_probs(processed, rows), spec, draft_probs, base.generator)
+            out[req.request_id] = self._with_logprobs(req, x, tokens)
+        return out
+
+    @staticmethod
+    def _with_logprobs(req, logits: torch.Tensor, tokens: list[int]) -> SampledToken:
+        want = req.params.logprobs
+        if want is None:
+            results = [SampledToken(t) for t in tokens]
+        else:
+            lp = log_softmax(logits[:len(tokens)])
+            top = lp.topk(want, dim=-1) if want else None
+            results = [SampledToken(t, float(lp[j, t]),
+                                    list(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
+                                    if top is not None else [])
+                       for j, t in enumerate(tokens)]
+        last = results[-1]
+        last.accepted = results[:-1]
+        return last
+
+    def sampling_row(self, req) -> SamplingRow:
+        if req.sampling_state is None and req.params.seed is not None:
+            req.sampling_state = torch.Generator(device=self.device).manual_seed(req.params.seed)
+        return SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids, req.sampling_state)
+
+
+def _row_owner(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The scheduled request each logits row belongs to."""
+    return [s for s in scheduled for _ in range(1 + len(s.spec_token_ids))]
