@@ -16,7 +16,7 @@ import statistics
 import time
 
 from pagellm import LLM, SamplingParams
-from pagellm.bench.latency import _prompts
+from pagellm.bench.common import latency_prompts
 from pagellm.spec_decode.ngram import propose_ngram
 
 MAX_K = 8
@@ -60,7 +60,7 @@ def replay(prompt: list[int], out: list[int], k: int, cost: list[float]) -> tupl
 
 def main() -> None:
     llm = LLM(None, speculative_method="ngram", num_speculative_tokens=MAX_K)
-    prompt = _prompts(llm.engine.tokenizer, 0, "grounded", 0, 1)[0]
+    prompt = latency_prompts(llm.engine.tokenizer, 0, "grounded", 0, 1)[0]
     greedy = LLM(None).generate([prompt], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)
     out = list(greedy[0].outputs[0].token_ids)
     costs = step_costs(llm)

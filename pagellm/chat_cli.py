@@ -13,10 +13,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+from pagellm.config import EngineArgs
+
 HELP = "Commands: /reset clears the conversation, /exit quits (Ctrl-D too). Ctrl-C stops an answer."
 
 
-def add_chat_parser(sub, add_engine_args) -> None:
+def add_chat_parser(sub) -> None:
     c = sub.add_parser("chat", help="interactive chat (local engine or --url server)",
                        description="Chat with a model: a local engine (--model) or a running "
                                    "`pagellm serve` / OpenAI-compatible server (--url). " + HELP)
@@ -28,16 +30,15 @@ def add_chat_parser(sub, add_engine_args) -> None:
     c.add_argument("--max-tokens", type=int, default=512, help="max tokens per answer (default 512)")
     c.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     c.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
-    add_engine_args(c)
+    EngineArgs.add_cli_args(c)
     c.set_defaults(func=run_chat)
 
 
 class LocalBackend:
     def __init__(self, ns: argparse.Namespace):
-        from pagellm.cli import engine_args_from
         from pagellm.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(engine_args_from(ns))
+        self.engine = LLMEngine(EngineArgs.from_cli_args(ns))
 
     def stream(self, messages: list[dict], opts: dict) -> Iterator[str]:
         from pagellm.sampling_params import SamplingParams

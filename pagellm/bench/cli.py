@@ -1,17 +1,17 @@
-"""`pagellm bench throughput`: argument parsing, running, printing, JSON."""
+"""`pagellm bench`: the subcommands' parsers, and `bench throughput` itself (running, printing, JSON)."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 
+from pagellm.bench.common import machine_info, print_platform_line, throughput_roofline
 from pagellm.bench.report import write_json
+from pagellm.config import EngineArgs
 
 
-def add_bench_parser(sub, add_engine_args) -> None:
+def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks; results print as a table and JSON.")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     t = bsub.add_parser("throughput", help="offline throughput on a random workload",
@@ -24,17 +24,17 @@ def add_bench_parser(sub, add_engine_args) -> None:
     t.add_argument("--workload-seed", type=int, default=0, help="random.Random seed of the workload")
     t.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     t.add_argument("--plot", default=None, metavar="PATH.png", help="draw output tok/s per engine")
-    add_engine_args(t)
+    EngineArgs.add_cli_args(t)
     from pagellm.bench.peers import add_peer_args
 
     add_peer_args(t)
-    t.set_defaults(func=_throughput)
+    t.set_defaults(func=run_throughput_bench)
     from pagellm.bench.memory import add_memory_parser
 
-    add_memory_parser(bsub, add_engine_args)
+    add_memory_parser(bsub)
     from pagellm.bench.latency import add_latency_parser
 
-    add_latency_parser(bsub, add_engine_args)
+    add_latency_parser(bsub)
     from pagellm.bench.serve import add_serve_bench_args, run_serve_bench
 
     s = bsub.add_parser("serve", help="online benchmark against a running server",
@@ -44,30 +44,30 @@ def add_bench_parser(sub, add_engine_args) -> None:
     s.set_defaults(func=run_serve_bench)
 
 
-def _throughput(ns: argparse.Namespace) -> int:
+def run_throughput_bench(ns: argparse.Namespace) -> int:
     from pagellm import LLM
     from pagellm.bench.throughput import run_pagellm_throughput
     from pagellm.bench.workload import random_workload
-    from pagellm.cli import engine_args_from
 
+    print_platform_line(ns.device, ns.num_threads)
     if ns.peer:  # every engine in its own process, one table
         from pagellm.bench.peers import throughput_with_peers
 
         return throughput_with_peers(ns)
     t0 = time.perf_counter()
-    llm = LLM(**vars(engine_args_from(ns)))
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
     ready = time.perf_counter() - t0
     workload = random_workload(ns.num_prompts, llm.engine.model_config.vocab_size, tuple(ns.input_len),
                                tuple(ns.output_len), ns.workload_seed)
     result = run_pagellm_throughput(llm, workload)
     result["ready_s"] = round(ready, 2)
     result["preemptions"] = llm.engine.scheduler.stats.num_preemptions
-    report = {"benchmark": "throughput", "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+    report = {"benchmark": "throughput", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
               "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": vars(llm.engine.args),
               "results": [result]}
     for k, v in result.items():
         print(f"{k:>22}: {v}")
-    report["roofline"] = _throughput_roofline(llm.engine.model_config, workload, [result])
+    report["roofline"] = throughput_roofline(llm.engine.model_config, workload, [result])
     if ns.json:
         write_json(ns.json, report)
     if ns.plot:
@@ -77,24 +77,3 @@ def _throughput(ns: argparse.Namespace) -> int:
                      "pagellm bench throughput")
         print(f"wrote {ns.plot}")
     return 0
-
-
-def _throughput_roofline(cfg, workload, results: list[dict]) -> dict:
-    """Measured after the runs (never during them), with the threads the engines used; prints its lines."""
-    from pagellm.bench import roofline
-
-    machine = roofline.measure_machine(results[0].get("threads"))
-    print(roofline.machine_line(machine))
-    requests = [(len(r.prompt_token_ids), r.output_len) for r in workload]
-    engines = {}
-    for r in results:
-        engines[r["engine"]] = fl = roofline.throughput_floor(cfg, requests, machine, r["output_tokens_per_s"])
-        print(roofline.throughput_line(r["engine"], fl))
-    return {"machine": machine, "engines": engines}
-
-
-def _machine() -> dict:
-    import torch
-
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version()}

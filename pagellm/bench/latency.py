@@ -8,31 +8,13 @@ import statistics
 import sys
 import time
 
+from pagellm.bench import roofline
+from pagellm.bench.common import latency_prompts, latency_roofline, print_platform_line, timed_latency_run
 from pagellm.bench.report import write_json
-
-# An input-grounded task: the answer mostly quotes the prompt, which is where n-gram lookup shines.
-GROUNDED_CODE = '''def summarize_orders(orders, tax_rate):
-    subtotal = 0.0
-    for order in orders:
-        subtotal += order.price * order.quantity
-    tax = subtotal * tax_rate
-    shipping = 0.0 if subtotal > 100 else 7.5
-    total = subtotal + tax + shipping
-    return {"subtotal": subtotal, "tax": tax, "shipping": shipping, "total": total}
+from pagellm.config import EngineArgs
 
 
-def print_receipt(orders, tax_rate):
-    summary = summarize_orders(orders, tax_rate)
-    for order in orders:
-        print(order.name, order.quantity, order.price)
-    print("subtotal", summary["subtotal"])
-    print("total", summary["total"])
-'''
-GROUNDED_PROMPT = ("Rewrite the following Python code, renaming the variable `subtotal` to `items_cost`. "
-                   "Reply with the full code only.\n\n" + GROUNDED_CODE)
-
-
-def add_latency_parser(bsub, add_engine_args) -> None:
+def add_latency_parser(bsub) -> None:
     p = bsub.add_parser("latency", help="TTFT and decode tok/s at small batch sizes (optionally speculative)",
                         description="Latency at batch sizes 1, 4, 16...; with --speculative-method, the same "
                                     "runs without speculation first, and the speed-up and acceptance are reported.")
@@ -44,62 +26,25 @@ def add_latency_parser(bsub, add_engine_args) -> None:
     p.add_argument("--num-iters", type=int, default=2, help="timed runs per setting; the median is reported")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw decode tok/s per batch size")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     from pagellm.bench.peers import add_peer_args
 
     add_peer_args(p)
     p.set_defaults(func=run_latency)
 
 
-def _prompts(tok, vocab: int, task: str, input_len: int, batch: int) -> list[list[int]]:
-    """The prompts' token ids; a pagellm Tokenizer `tok`, so peers can get them without loading a model."""
-    if task == "grounded":
-        text = tok.apply_chat_template([{"role": "user", "content": GROUNDED_PROMPT}], add_generation_prompt=True)
-        return [tok.encode(text, add_special_tokens=False)] * batch
-    from pagellm.bench.workload import random_workload
-
-    return [r.prompt_token_ids for r in random_workload(batch, vocab, (input_len, input_len), (1, 1), seed=0)]
-
-
-def _one_run(llm, prompts, output_len: int, ignore_eos: bool) -> dict:
-    from pagellm import SamplingParams
-
-    eng = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"lat-{time.monotonic_ns()}-{i}", p, params)
-    first: dict[str, float] = {}
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            now = time.perf_counter()
-            if out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = now
-            if out.finished:
-                final[out.request_id] = (now, out.outputs[0].token_ids)
-    end = max(t for t, _ in final.values())
-    n_out = sum(len(ids) for _, ids in final.values())
-    ttft = statistics.mean(first[r] - t0 for r in final)
-    decode_time = end - min(first.values())
-    return {"ttft_s": ttft, "decode_tok_s": (n_out - len(final)) / max(decode_time, 1e-9),
-            "output_tokens": n_out, "token_ids": [final[r][1] for r in sorted(final)]}
-
-
 def _measure(engine_kwargs: dict, ns, batch: int) -> dict:
     from pagellm import LLM
 
     llm = LLM(**engine_kwargs)
-    prompts = _prompts(llm.engine.tokenizer, llm.engine.model_config.vocab_size, ns.task, ns.input_len, batch)
+    prompts = latency_prompts(llm.engine.tokenizer, llm.engine.model_config.vocab_size, ns.task, ns.input_len, batch)
     ignore_eos = ns.task == "random"
-    _one_run(llm, prompts[:1], 8, ignore_eos)  # warm-up
-    runs = [_one_run(llm, prompts, ns.output_len, ignore_eos) for _ in range(ns.num_iters)]
+    timed_latency_run(llm, prompts[:1], 8, ignore_eos)  # warm-up
+    runs = [timed_latency_run(llm, prompts, ns.output_len, ignore_eos) for _ in range(ns.num_iters)]
     st = llm.engine.scheduler.stats
-    from pagellm.bench.roofline import pagellm_weight_bytes
-
     eng = llm.engine
     # what the roofline needs from the engine; run_latency moves it out of the row
-    bytes_ = (pagellm_weight_bytes(eng.model), eng.bytes_per_block // eng.kv_cache.block_size)
+    bytes_ = (roofline.pagellm_weight_bytes(eng.model), eng.bytes_per_block // eng.kv_cache.block_size)
     res = {
         "batch_size": batch,
         "prompt_tokens": len(prompts[0]),
@@ -119,13 +64,12 @@ def _measure(engine_kwargs: dict, ns, batch: int) -> dict:
 
 
 def run_latency(ns: argparse.Namespace) -> int:
-    from pagellm.cli import engine_args_from
-
+    print_platform_line(ns.device, ns.num_threads)
     if ns.peer:  # every engine in its own process, one table; all of them ignore EOS
         from pagellm.bench.peers import latency_with_peers
 
         return latency_with_peers(ns)
-    args = vars(engine_args_from(ns))
+    args = vars(EngineArgs.from_cli_args(ns))
     spec_method = args.get("speculative_method")
     rows = []
     for batch in ns.batch_sizes:
@@ -156,8 +100,6 @@ def run_latency(ns: argparse.Namespace) -> int:
 def _roofline(rows: list[dict], spec_method: str | None, model: str, threads: int | None) -> dict:
     """Decode floors of the baseline rows (a speculative step yields several tokens, so its figure may pass
     the one-token-per-step floor: its ratio is reported as well, as the speculative row's)."""
-    from pagellm.bench import roofline
-    from pagellm.bench.peers import latency_roofline
     from pagellm.model.loader import load_config, resolve_model_path
 
     weight_bytes, kv_per_token = rows[0]["baseline"]["_bytes"]  # every batch size loads the same model
@@ -165,7 +107,8 @@ def _roofline(rows: list[dict], spec_method: str | None, model: str, threads: in
                           {"pagellm": (weight_bytes, kv_per_token, [r["baseline"] for r in rows])}, threads)
     if spec_method:
         for r, fl in zip(rows, rl["engines"]["pagellm"]["decode"], strict=True):
-            fl["speculative_measured_over_floor"] = roofline._sig(r["speculative"]["decode_tok_s"] / fl["floor_tok_s"])
+            measured = r["speculative"]["decode_tok_s"]
+            fl["speculative_measured_over_floor"] = roofline.significant(measured / fl["floor_tok_s"])
     return rl
 
 

@@ -20,7 +20,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from pagellm.bench.common import machine_info
 from pagellm.bench.workload import BenchRequest, random_workload
+from pagellm.config import EngineArgs
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagellm.core.scheduler import Scheduler
 from pagellm.request import Request
@@ -305,7 +307,7 @@ def plot_report(rep: dict, path: str) -> None:
 
 # ---- command line ------------------------------------------------------------------------------
 
-def add_memory_parser(bsub, add_engine_args) -> None:
+def add_memory_parser(bsub) -> None:
     m = bsub.add_parser("memory", help="KV-cache memory: prefix sharing, parallel sampling, fragmentation",
                         description="KV blocks at peak with and without prefix caching, n>1 forks versus "
                                     "independent requests, and paged versus contiguous waste.")
@@ -320,7 +322,7 @@ def add_memory_parser(bsub, add_engine_args) -> None:
                    help="per-request reservation of the contiguous baseline (default 2048)")
     m.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     m.add_argument("--plot", default=None, metavar="PATH", help="draw bar charts to this PNG")
-    add_engine_args(m)
+    EngineArgs.add_cli_args(m)
     # 32 x 1,071 tokens unshared need ~2,150 blocks: more than the usual 1GiB default holds.
     m.set_defaults(func=_memory, kv_cache_memory="2GiB")
 
@@ -347,12 +349,10 @@ def run_memory_bench(engine, ns: argparse.Namespace) -> dict:
 
 
 def _memory(ns: argparse.Namespace) -> int:
-    from pagellm.bench.cli import _machine
-    from pagellm.cli import engine_args_from
     from pagellm.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_args_from(ns))
-    report = {"benchmark": "memory", "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+    engine = LLMEngine(EngineArgs.from_cli_args(ns))
+    report = {"benchmark": "memory", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
               "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": vars(engine.args),
               **run_memory_bench(engine, ns)}
     print(format_report(report))

@@ -45,10 +45,10 @@ class PagellmEngine:
         return {"elapsed_s": res["elapsed_s"], "generated_tokens": res["output_tokens"]}
 
     def latency(self, prompts: list[list[int]], output_len: int) -> dict:
-        from pagellm.bench.latency import _one_run
+        from pagellm.bench.common import timed_latency_run
 
         self.llm.reset_prefix_cache()  # a fair TTFT: no run reuses the previous run's prompt blocks
-        return _one_run(self.llm, prompts, output_len, ignore_eos=True)
+        return timed_latency_run(self.llm, prompts, output_len, ignore_eos=True)
 
 
 class TransformersEngine:
@@ -143,7 +143,7 @@ class _StepTimes:
 
 
 def _latency_result(t0: float, first: float, end: float, new: list[list[int]]) -> dict:
-    """Same definitions as pagellm's `_one_run`: TTFT from submission to the first token; decode tok/s
+    """Same definitions as pagellm's `timed_latency_run`: TTFT from submission to the first token; decode tok/s
     counts the tokens after each row's first one, over the time after the first token."""
     n_out = sum(len(r) for r in new)
     return {"ttft_s": first - t0, "decode_tok_s": (n_out - len(new)) / max(end - first, 1e-9),

@@ -4,7 +4,7 @@ engines, one table.
 Every engine (pagellm too) runs in its own child process, `python -m pagellm.bench.peers ENGINE SPEC.json`
 (SPEC "-" reads stdin), which prints one result line prefixed with RESULT_MARKER. Separate processes keep
 engines from sharing threads, allocator state or imported libraries, and make each one's peak RSS its own.
-The parent only builds the workload (token ids, from `random_workload` or the latency bench's `_prompts`),
+The parent only builds the workload (token ids, from `random_workload` or `pagellm.bench.common.latency_prompts`),
 so every engine decodes exactly the same ids, greedy, ignoring EOS.
 """
 
@@ -19,7 +19,9 @@ import subprocess
 import sys
 import time
 
+from pagellm.bench.common import latency_prompts, latency_roofline, machine_info, throughput_roofline
 from pagellm.bench.report import write_json
+from pagellm.config import EngineArgs
 
 PEERS = ("transformers", "llama.cpp")
 RESULT_MARKER = "PAGELLM_PEER_RESULT "
@@ -52,10 +54,9 @@ def run_engine_child(engine: str, spec: dict) -> dict:
 
 
 def _base_spec(ns: argparse.Namespace) -> tuple[dict, str]:
-    from pagellm.cli import engine_args_from
     from pagellm.model.loader import resolve_model_path
 
-    engine_args = vars(engine_args_from(ns))
+    engine_args = vars(EngineArgs.from_cli_args(ns))
     path = resolve_model_path(engine_args["model"])
     threads = engine_args.get("num_threads")
     if not threads:  # one thread count for every engine: torch's default, as pagellm itself would use
@@ -87,7 +88,6 @@ def _run_all(ns: argparse.Namespace, spec: dict) -> tuple[list[dict], list[str],
 
 
 def throughput_with_peers(ns: argparse.Namespace) -> int:
-    from pagellm.bench.cli import _throughput_roofline
     from pagellm.bench.workload import random_workload
     from pagellm.model.loader import load_config
 
@@ -107,7 +107,7 @@ def throughput_with_peers(ns: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['engine']:<13} {r['elapsed_s']:>9} {r['output_tokens_per_s']:>9} {r['total_tokens_per_s']:>11} "
               f"{r['ready_s']:>7} {_mib(r):>9} {r['pagellm_over_engine']:>11}x")
-    rl = _throughput_roofline(cfg, workload, results)
+    rl = throughput_roofline(cfg, workload, results)
     print(_memory_line(results))
     report = _report(ns, "throughput", spec, results, skipped, failed)
     report["roofline"] = rl
@@ -116,7 +116,6 @@ def throughput_with_peers(ns: argparse.Namespace) -> int:
 
 
 def latency_with_peers(ns: argparse.Namespace) -> int:
-    from pagellm.bench.latency import _prompts
     from pagellm.model.loader import load_config
     from pagellm.tokenizer import Tokenizer
 
@@ -124,7 +123,8 @@ def latency_with_peers(ns: argparse.Namespace) -> int:
     tok = Tokenizer.from_path(ns.tokenizer or path)
     cfg = load_config(path)
     vocab = cfg.vocab_size
-    batches = [{"batch_size": b, "prompts": _prompts(tok, vocab, ns.task, ns.input_len, b)} for b in ns.batch_sizes]
+    batches = [{"batch_size": b, "prompts": latency_prompts(tok, vocab, ns.task, ns.input_len, b)}
+               for b in ns.batch_sizes]
     spec.update(mode="latency", batches=batches, output_len=ns.output_len, num_iters=ns.num_iters)
     results, skipped, failed = _run_all(ns, spec)
     if not results:
@@ -158,27 +158,7 @@ def latency_with_peers(ns: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def latency_roofline(cfg, engines: dict[str, tuple[int, int, list[dict]]], threads: int | None) -> dict:
-    """Decode floors of every engine's latency rows; engines: name -> (weight bytes per step, KV bytes per
-    token, rows with batch_size, prompt_tokens, output_tokens, decode_tok_s). Prints one line per row."""
-    from pagellm.bench import roofline
-
-    machine = roofline.measure_machine(threads)  # after every engine ran, so nothing competes with it
-    print(roofline.machine_line(machine))
-    out = {}
-    for name, (weight_bytes, kv_per_token, rows) in engines.items():
-        floors = []
-        for row in rows:
-            b = row["batch_size"]
-            fl = roofline.decode_floor(cfg, weight_bytes, kv_per_token, row["prompt_tokens"], row["output_tokens"] / b,
-                                       b, machine, row["decode_tok_s"])
-            floors.append(fl)
-            print(roofline.decode_line(name, fl))
-        out[name] = {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_per_token, "decode": floors}
-    return {"machine": machine, "engines": out}
-
-
-def _weight_bytes_per_step(engine: str, eng, spec: dict) -> int:
+def weight_bytes_per_step(engine: str, eng, spec: dict) -> int:
     """Weight bytes one decode step streams, as each engine stores them."""
     if engine == "llama.cpp":  # the GGUF's tensors as stored; its metadata is a few KiB of the file
         return os.path.getsize(spec["model"])
@@ -204,10 +184,8 @@ def _memory_line(results: list[dict]) -> str:
 
 
 def _report(ns, benchmark: str, spec: dict, results, skipped, failed) -> dict:
-    from pagellm.bench.cli import _machine
-
     spec = {k: v for k, v in spec.items() if k not in ("requests", "spawn_time")}
-    return {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+    return {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
             "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": spec.pop("engine_args"),
             "peer_settings": spec, "results": results, "skipped": skipped, "failed": failed}
 
@@ -279,7 +257,7 @@ def run_child(engine: str, spec: dict) -> dict:
     # ru_maxrss is KiB on Linux, bytes on macOS
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
     res.update(method=eng.method, ready_s=round(ready, 2), peak_rss_mib=round(rss, 1), threads=spec["threads"],
-               torch_imported="torch" in sys.modules, weight_bytes_per_step=_weight_bytes_per_step(engine, eng, spec),
+               torch_imported="torch" in sys.modules, weight_bytes_per_step=weight_bytes_per_step(engine, eng, spec),
                **eng.info)
     return res
 

@@ -29,7 +29,7 @@ def _median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _sig(x: float, digits: int = 3) -> float:
+def significant(x: float, digits: int = 3) -> float:
     """Significant digits, not decimals: a ratio on a tiny model can be 0.001."""
     return float(f"{x:.{digits}g}")
 
@@ -134,7 +134,7 @@ def throughput_floor(cfg, requests: list[tuple[int, int]], machine: dict, measur
     floor_tok_s = sum(o for _, o in requests) / floor_s
     return {"workload_flops": flops, "floor_s": round(floor_s, 4),
             "floor_output_tokens_per_s": round(floor_tok_s, 2),
-            "measured_over_floor": _sig(measured_out_tok_s / floor_tok_s)}
+            "measured_over_floor": significant(measured_out_tok_s / floor_tok_s)}
 
 
 def decode_floor(cfg, weight_bytes: int, kv_bytes_per_token: int, prompt_len: int, output_len: float, batch: int,
@@ -153,7 +153,7 @@ def decode_floor(cfg, weight_bytes: int, kv_bytes_per_token: int, prompt_len: in
             "flops_per_step": round(step_flops), "memory_floor_tok_s": round(memory_tok_s, 2),
             "compute_floor_tok_s": round(compute_tok_s, 2), "floor_tok_s": round(floor, 2),
             "bound": "memory" if memory_tok_s <= compute_tok_s else "compute",
-            "measured_over_floor": _sig(measured_tok_s / floor)}
+            "measured_over_floor": significant(measured_tok_s / floor)}
 
 
 # ---------------------------------------------------------------- printing

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from pagellm.bench.common import print_platform_line
 from pagellm.bench.report import write_json
 from pagellm.bench.workload import BenchRequest, random_workload
 
@@ -331,6 +332,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401  -- fail before the run, not after it
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
+    print_platform_line("cpu")  # the client's host (the server's too, where it serves on localhost)
     report = asyncio.run(_bench(ns, slos, kind, path))
     _print(report["results"])
     for err in sorted({r["error"] for r in report["requests"] if r["error"]})[:5]:

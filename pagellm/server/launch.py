@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagellm.config import EngineArgs
 
-def add_serve_parser(sub, add_engine_args) -> None:
+
+def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health, "
                                    "/metrics, /tokenize and /detokenize.")
@@ -26,7 +28,7 @@ def add_serve_parser(sub, add_engine_args) -> None:
     s.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own logging (default warning; info adds an access log)")
-    add_engine_args(s)
+    EngineArgs.add_cli_args(s)
     s.set_defaults(func=serve)
 
 
@@ -38,7 +40,6 @@ def default_model_name(model_arg: str | None, model_path: str) -> str:
 
 
 def serve(ns: argparse.Namespace) -> int:
-    from pagellm.cli import engine_args_from
     from pagellm.engine.async_engine import AsyncLLMEngine
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.server.app import build_app
@@ -46,7 +47,7 @@ def serve(ns: argparse.Namespace) -> int:
 
     if ns.max_queue_len is not None and ns.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {ns.max_queue_len}")
-    engine = LLMEngine(engine_args_from(ns))
+    engine = LLMEngine(EngineArgs.from_cli_args(ns))
     names = ns.served_model_name or [default_model_name(ns.model, engine.model_path)]
     async_engine = AsyncLLMEngine(engine, max_queue_len=ns.max_queue_len)
     app = build_app(async_engine, names, api_key=ns.api_key, request_timeout=ns.request_timeout)

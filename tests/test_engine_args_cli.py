@@ -1,0 +1,72 @@
+"""EngineArgs on the command line: add_cli_args / from_cli_args, --dtype auto, attention backend aliases."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from pagellm.config import ATTENTION_BACKEND_ALIASES, ATTENTION_BACKENDS, EngineArgs
+
+
+def parse(*argv: str) -> EngineArgs:
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    return EngineArgs.from_cli_args(p.parse_args(list(argv)))
+
+
+def test_cli_defaults_are_the_dataclass_defaults():
+    assert parse() == EngineArgs()
+
+
+def test_every_flag_reaches_its_field():
+    args = parse("--model", "m.gguf", "--dtype", "bfloat16", "--kv-cache-dtype", "float16", "--block-size", "32",
+                 "--kv-cache-memory", "2GiB", "--max-num-seqs", "8", "--no-chunked-prefill",
+                 "--no-enable-prefix-caching", "--preemption-mode", "swap", "--speculative-method", "ngram",
+                 "--num-speculative-tokens", "3", "--attention-backend", "torch_sdpa_reference",
+                 "--no-packed-weights-only", "--int8-activations", "--num-threads", "2")
+    assert (args.model, args.dtype, args.kv_cache_dtype, args.block_size) == ("m.gguf", "bfloat16", "float16", 32)
+    assert (args.kv_cache_memory, args.max_num_seqs, args.enable_chunked_prefill) == ("2GiB", 8, False)
+    assert not args.enable_prefix_caching and args.preemption_mode == "swap"
+    assert (args.speculative_method, args.num_speculative_tokens) == ("ngram", 3)
+    assert args.attention_backend == "torch_sdpa_reference"
+    assert not args.packed_weights_only and args.int8_activations and args.num_threads == 2
+
+
+def test_from_cli_args_ignores_other_attributes():
+    assert EngineArgs.from_cli_args(argparse.Namespace(model="x", prompt="hi", json=True)) == EngineArgs(model="x")
+
+
+def test_dtype_auto_keeps_the_kv_dtype_auto():
+    assert EngineArgs().dtype == "float32"  # the default stays float32 until the engine resolves "auto"
+    assert parse("--dtype", "auto").kv_dtype_name == "auto"
+    assert EngineArgs(dtype="auto", kv_cache_dtype="float16").kv_dtype_name == "float16"
+    assert EngineArgs(dtype="bfloat16").kv_dtype_name == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineArgs(dtype="float64")
+    with pytest.raises(SystemExit):
+        parse("--dtype", "float64")
+
+
+@pytest.mark.parametrize("old", sorted(ATTENTION_BACKEND_ALIASES))
+def test_old_attention_backend_names_map_to_the_new_ones_with_a_warning(old, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagellm"):
+        args = parse("--attention-backend", old)
+    assert args.attention_backend == ATTENTION_BACKEND_ALIASES[old] in ATTENTION_BACKENDS
+    assert [r.getMessage() for r in caplog.records] == [
+        f"attention_backend {old!r} is deprecated, use {ATTENTION_BACKEND_ALIASES[old]!r} instead"]
+
+
+@pytest.mark.parametrize("name", ATTENTION_BACKENDS)
+def test_new_attention_backend_names_pass_without_a_warning(name, caplog):
+    with caplog.at_level(logging.WARNING, logger="pagellm"):
+        assert parse("--attention-backend", name).attention_backend == name
+    assert not caplog.records
+
+
+def test_unknown_attention_backend_is_rejected():
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineArgs(attention_backend="flash-magic")
+    with pytest.raises(SystemExit):
+        parse("--attention-backend", "flash-magic")
