@@ -78,6 +78,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.args = args
         self.platform = platform = get_platform(args.device)
+        platform.check_available()
         platform.set_num_threads(args.num_threads)
         torch.manual_seed(args.seed)  # unseeded sampling is reproducible per engine run
         self.device = torch.device(args.device)

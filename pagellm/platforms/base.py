@@ -40,6 +40,9 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def check_available(self) -> None:
+        """Raises a one-line error when the device cannot be used here."""
+
     # ---- decisions --------------------------------------------------------------------------
     def resolve_dtype(self, requested: str) -> torch.dtype:
         """The compute dtype for a `--dtype` value; "auto" is the platform's choice."""

@@ -29,19 +29,22 @@ ISA_FLAGS = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f",
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
-    model, flags = _platform.processor() or "unknown", set()
+    """(model name with family/model numbers, flags) of the first CPU in /proc/cpuinfo. Virtual machines
+    often report a bare "AMD EPYC": the family number tells Zen 3 (25) from Zen 5 (26)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model in ("unknown", "", _platform.processor()):
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
+                if not key.strip():
+                    break  # the first processor's block ends at a blank line
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return model, flags
+    model = fields.get("model name") or _platform.processor() or "unknown"
+    if "cpu family" in fields:
+        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    return model, set((fields.get("flags") or fields.get("Features") or "").split())
 
 
 def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -160,7 +163,7 @@ class CpuPlatform(Platform):
         dtype = self.auto_dtype()
         return {
             "device": "cpu",
-            "cpu": f"{self.cpu_model} ({self.num_cores} cores)",
+            "cpu": f"{self.cpu_model}, {self.num_cores} cores",
             "isa": " ".join(self.isa) or "baseline x86-64",
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "kernels": ("off" if build is None else

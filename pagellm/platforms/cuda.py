@@ -25,10 +25,9 @@ class CudaPlatform(Platform):
     def auto_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.capability >= (8, 0) else torch.float16
 
-    def allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def check_available(self) -> None:
         if not self.available:
-            raise RuntimeError("device 'cuda' was asked for, but torch sees no CUDA GPU here")
-        return super().allocate_kv(shape, dtype)
+            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU here (use --device cpu)")
 
     def allocate_swap(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, pin_memory=True)

@@ -1,0 +1,79 @@
+"""The platform layer decides once, from what it probed: dtype, attention backend, op implementations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.model.layers.custom_op import CustomOp
+from pagellm.platforms import get_platform
+from pagellm.platforms.cpu import CpuPlatform
+
+
+def test_cpu_platform_probe_and_description():
+    p = get_platform("cpu")
+    assert isinstance(p, CpuPlatform) and get_platform("cpu") is p  # probed once
+    d = p.describe()
+    for key in ("device", "cpu", "isa", "kernels", "dtype", "attention_backend", "threads"):
+        assert d[key], key
+    assert p.summary_line().startswith("platform: device cpu; cpu ")
+    with open("/proc/cpuinfo") as f:
+        flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    assert ("avx2" in p.isa) == ("avx2" in flags) and ("avx512f" in p.isa) == ("avx512f" in flags)
+
+
+def test_dtype_and_backend_decisions(monkeypatch):
+    p = get_platform("cpu")
+    assert p.resolve_dtype("auto") == torch.float32 and p.resolve_dtype("bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be"):
+        p.resolve_dtype("float8")
+    # bf16 compute: the native kernels are float32-only, so plain torch everywhere
+    bf16 = p.op_choices(torch.bfloat16)
+    assert not (bf16.native_ops or bf16.packed_kernels or bf16.blas_gemm or bf16.packed_weights_only)
+    assert p.attention_backend("auto", torch.bfloat16, torch.bfloat16) == "torch_sdpa_batched"
+    assert p.attention_backend("torch_sdpa_reference", torch.float32, torch.float32) == "torch_sdpa_reference"
+    if p.native_kernels:
+        assert p.op_choices(torch.float32).native_ops
+        assert p.attention_backend("auto", torch.float32, torch.float32) == "cpu_paged"
+    monkeypatch.setenv("PAGELLM_CPU_KERNELS", "0")  # read at each decision
+    assert not p.native_kernels and not p.op_choices(torch.float32).native_ops
+    assert p.attention_backend("auto", torch.float32, torch.float32) == "torch_sdpa_batched"
+
+
+def test_unknown_device_and_missing_gpu_are_clear_errors():
+    with pytest.raises(ValueError, match="device must be"):
+        get_platform("tpu")
+    cuda = get_platform("cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            cuda.check_available()
+    assert cuda.auto_dtype() in (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_ops_are_bound_once_after_loading(tiny_gguf_model, smollm_gguf_path, monkeypatch, kernels):
+    """Every CustomOp runs the platform's implementation (forward_cpu with the kernels, forward_native
+    without); every packed Linear computes with the GGUF-blocks method."""
+    from pagellm import LLM
+
+    monkeypatch.setenv("PAGELLM_CPU_KERNELS", kernels)
+    llm = LLM(tiny_gguf_model("llama", qtype="Q8_0"), tokenizer=smollm_gguf_path, kv_cache_memory="4MiB")
+    native = kernels == "1" and get_platform("cpu").native_kernels
+    ops = [m for m in llm.engine.model.modules() if isinstance(m, CustomOp)]
+    assert len(ops) > 4 and {m.impl for m in ops} == {"cpu" if native else "native"}
+    qkv = llm.engine.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.name == ("gguf_blocks" if native else "unquantized")
+    assert (llm.engine.runner.compiled_decoder is not None) == native
+    assert llm.engine.runner.backend.name == ("cpu_paged" if native else "torch_sdpa_batched")
+
+
+def test_deprecated_backend_name_still_works(tiny_hf_model, smollm_gguf_path, caplog):
+    from pagellm import LLM, SamplingParams
+
+    with caplog.at_level("WARNING", logger="pagellm"):
+        llm = LLM(tiny_hf_model("llama"), tokenizer=smollm_gguf_path, kv_cache_memory="4MiB",
+                  attention_backend="reference")
+    assert llm.engine.runner.backend.name == "torch_sdpa_reference"
+    assert "deprecated" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
