@@ -1,4 +1,4 @@
-"""Property tests: random add / step / abort interleavings keep DESIGN.md §3's block invariants."""
+"""Property tests: random add / step / abort interleavings keep the block invariants of docs/architecture.md."""
 
 from collections import Counter
 

@@ -222,16 +222,23 @@ def test_native_decoder_equals_module_path(smollm_gguf_path):
 
     llm = LLM(smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3)
-    prompts = ["Repeat: one two three one two three one two", "Hello"]
+    # Each batch is one step's worth of prompts. The 18-token prompt alone has more new rows than the paged
+    # kernel serves per request and fewer than the decoder's step limit: its prefill must take the module
+    # path (SDPA) in both runs.
+    batches = [["Repeat: one two three one two three one two", "Hello"], [list(range(1000, 1018))]]
     runner = llm.engine.runner
-    with_native = llm.generate(prompts, params, use_tqdm=False)
-    assert runner.compiled_decoder is not None
-    runner.compiled_decoder = None  # every step through the module path (the same kernels, op by op)
-    llm.reset_prefix_cache()  # recompute the prompts the same way as the first run
-    without = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(with_native, without, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    compiled = runner.compiled_decoder
+    assert compiled is not None
+    for prompts in batches:
+        runner.compiled_decoder = compiled
+        llm.reset_prefix_cache()  # both runs compute every prompt from scratch
+        with_native = llm.generate(prompts, params, use_tqdm=False)
+        runner.compiled_decoder = None  # every step through the module path (the same kernels, op by op)
+        llm.reset_prefix_cache()
+        without = llm.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(with_native, without, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 @pytest.mark.parametrize("arch,qtype,tie,overrides", [

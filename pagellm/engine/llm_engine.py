@@ -41,7 +41,7 @@ class EngineStats:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for every layer of block_size tokens (DESIGN.md §4)."""
+    """K and V for every layer of block_size tokens (docs/architecture.md, "Memory")."""
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * dtype.itemsize
 
 

@@ -11,7 +11,7 @@ import ctypes
 import torch
 
 from pagellm.kernels.build import cpu_kernels
-from pagellm.kernels.ops import ptr
+from pagellm.kernels.ops import PAGED_ATTENTION_MAX_QUERIES, ptr
 from pagellm.quant.formats import PACKED_MAX_ROWS
 
 _p = ctypes.c_void_p
@@ -44,6 +44,14 @@ class NativeDecoder:
     """Holds raw pointers into the model's tensors: valid while the model lives and is not moved."""
 
     max_rows = PACKED_MAX_ROWS  # steps of more rows take the module path (GEMMs beat the packed kernels)
+    # Its attention is the paged kernel for every row; the module path gives a request with more new rows
+    # than this to SDPA, so such steps take the module path too (the two then agree bit for bit).
+    max_rows_per_request = PAGED_ATTENTION_MAX_QUERIES
+
+    def serves(self, num_rows: int, query_start_loc: list[int]) -> bool:
+        """Whether this step (its row count, each request's new rows) runs here."""
+        return num_rows <= self.max_rows and all(b - a <= self.max_rows_per_request
+                                                 for a, b in zip(query_start_loc, query_start_loc[1:]))
 
     def __init__(self, model):
         cfg = model.config

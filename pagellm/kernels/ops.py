@@ -12,6 +12,11 @@ from pagellm.kernels.build import cpu_kernels
 from pagellm.quant.formats import PackedWeight
 
 
+# Requests with more new rows than this (long prefill chunks) attend through SDPA instead: the kernel scores one
+# query row at a time, which flash attention's blocking beats once rows are many (benchmarks/NOTES.md).
+PAGED_ATTENTION_MAX_QUERIES = 16
+
+
 def ptr(t: torch.Tensor | None) -> int | None:
     """The tensor's address for a kernel argument, None (NULL) for an absent optional tensor."""
     return None if t is None else t.data_ptr()

@@ -68,7 +68,7 @@ class ModelRunner:
             return [], torch.empty(0)
         input_ids, positions, meta = self._prepare(out)
         compiled = self.compiled_decoder
-        if compiled is not None and input_ids.shape[0] <= compiled.max_rows:
+        if compiled is not None and compiled.serves(input_ids.shape[0], meta.query_start_loc):
             hidden = compiled.forward(input_ids, positions, self.kv_caches, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)

@@ -29,7 +29,7 @@ TopLogprobs = list[tuple[int, float]]  # (token id, logprob), best first
 
 @dataclass
 class SamplingRow:
-    """One row of logits, built by the model runner each step."""
+    """One row of logits with what its processing reads (built by StepSampler and the draft proposer)."""
 
     params: SamplingParams
     prompt_token_ids: list[int]

@@ -16,7 +16,7 @@ from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAtten
 
 class CpuPagedAttention(AttentionBackend):
     name = "cpu_paged"
-    max_native_queries = 16  # new rows per request up to which the kernel serves it
+    max_native_queries = ops.PAGED_ATTENTION_MAX_QUERIES  # new rows per request up to which the kernel serves it
 
     def __init__(self):
         self._reference = TorchSdpaReferenceAttention()
