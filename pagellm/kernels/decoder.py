@@ -7,6 +7,7 @@ norms, rotary tables, Linear.packed), not imported."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 
@@ -51,7 +52,7 @@ class NativeDecoder:
     def serves(self, num_rows: int, query_start_loc: list[int]) -> bool:
         """Whether this step (its row count, each request's new rows) runs here."""
         return num_rows <= self.max_rows and all(b - a <= self.max_rows_per_request
-                                                 for a, b in zip(query_start_loc, query_start_loc[1:]))
+                                                 for a, b in itertools.pairwise(query_start_loc))
 
     def __init__(self, model):
         cfg = model.config
