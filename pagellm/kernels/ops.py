@@ -11,7 +11,6 @@ import torch
 from pagellm.kernels.build import cpu_kernels
 from pagellm.quant.formats import PackedWeight
 
-
 # Requests with more new rows than this (long prefill chunks) attend through SDPA instead: the kernel scores one
 # query row at a time, which flash attention's blocking beats once rows are many (benchmarks/NOTES.md).
 PAGED_ATTENTION_MAX_QUERIES = 16
