@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint serve bench peers clean
+.PHONY: install test test-torch-only lint serve bench peers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,6 +17,14 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x tests
+
+# The fast unit tests once more with the native CPU kernels off, so the plain-torch twins of every kernel
+# stay tested (`make test` runs the kernels wherever a compiler is found). About 75 s on a 2-core machine.
+TORCH_ONLY_TESTS := $(addprefix tests/,test_core.py test_core_properties.py test_core_sharing.py test_engine.py \
+	test_engine_sharing.py test_model_vs_hf.py test_sampler.py test_spec_decode.py test_kv_cache_dtype.py \
+	test_beam_search.py test_loader.py)
+test-torch-only: $(STAMP)
+	PAGELLM_CPU_KERNELS=0 $(PY) -m pytest -q -x $(TORCH_ONLY_TESTS) -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

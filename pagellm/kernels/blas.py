@@ -17,7 +17,7 @@ import logging
 import numpy as np  # noqa: F401  (loads numpy's OpenBLAS, which _sgemm finds among the loaded libraries)
 import torch
 
-from pagellm.kernels.build import cpu_kernels
+from pagellm.kernels.build import cpu_kernels, library
 from pagellm.quant.formats import FORMATS
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,16 @@ def _sgemm() -> int | None:
     return None
 
 
+@functools.cache
+def _can_run() -> bool:
+    """The library and numpy's sgemm exist (cached: matmul asks on every call)."""
+    try:
+        library()
+    except RuntimeError:
+        return False
+    return _sgemm() is not None
+
+
 def sgemm_available() -> bool:
     """Whether many-row float32 products can run here (the native kernels and numpy's OpenBLAS): also
     what lets the engine drop float32 weight copies (packed_matmul needs it). The platform asks once."""
@@ -73,12 +83,12 @@ def _weight_layout(w: torch.Tensor) -> tuple[int, bool] | None:
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w [K, N] (+ bias); w may be a transposed view. torch's GEMM off the CPU/float32 path."""
     layout = _weight_layout(w) if w.dtype == torch.float32 else None
-    if not (layout and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and sgemm_available()):
+    if not (layout and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and _can_run()):
         return x @ w if bias is None else torch.addmm(bias, x, w)
     x = _rows(x, w.shape[0])
     (m, k), n = x.shape, w.shape[1]
     y = torch.empty(m, n, dtype=torch.float32)
-    cpu_kernels().pagellm_sgemm(_sgemm(), x.data_ptr(), x.stride(0), m, k, w.data_ptr(), layout[0], layout[1], n,
+    library().pagellm_sgemm(_sgemm(), x.data_ptr(), x.stride(0), m, k, w.data_ptr(), layout[0], layout[1], n,
                                 y.data_ptr(), n, torch.get_num_threads())
     return y if bias is None else y.add_(bias)
 
@@ -86,14 +96,14 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def packed_matmul(x: torch.Tensor, w) -> torch.Tensor | None:
     """x [M, K] @ W^T for a PackedWeight W with no float32 copy kept: slices of W are dequantized (the
     loader's exact values) into a cache-sized buffer and multiplied there. None when it cannot run here."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and sgemm_available()):
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and _can_run()):
         return None
     if w.kind not in FORMATS:
         raise ValueError(f"packed_matmul: unsupported block format {w.kind!r}")
     x = _rows(x, w.in_features)
     (m, k), n = x.shape, w.out_features
     y = torch.empty(m, n, dtype=torch.float32)
-    cpu_kernels().pagellm_packed_sgemm(_sgemm(), x.data_ptr(), x.stride(0), m, k, 0 if w.kind == "q4_1" else 1,
+    library().pagellm_packed_sgemm(_sgemm(), x.data_ptr(), x.stride(0), m, k, 0 if w.kind == "q4_1" else 1,
                                        w.qs.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), n,
                                        y.data_ptr(), n, torch.get_num_threads())
     return y

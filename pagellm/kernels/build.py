@@ -2,8 +2,12 @@
 
 Why ctypes and not a torch C++ extension: these kernels take raw pointers and need no torch headers,
 so a build takes about two seconds instead of a minute, and a call costs a few microseconds.
-The library is built for the CPU it runs on (-march=native) and cached under
-$PAGELLM_CACHE_DIR (default ~/.cache/pagellm) keyed by source, compiler and CPU flags.
+
+The library is built for -march=$PAGELLM_CPU_ARCH (default "native": the CPU it runs on; "x86-64" gives
+the portable build, no AVX). It is cached under $PAGELLM_CACHE_DIR (default ~/.cache/pagellm), keyed by
+what the compiler targets for that -march (every macro it predefines, which names each ISA extension
+it may emit), the compiler's version, the flags and the sources. $CXX, when set, is the compiler, and
+only it: if it cannot be run there are no kernels (the plain torch path), never a different compiler.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import functools
 import hashlib
 import logging
 import os
-import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -24,10 +28,23 @@ import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share i
 log = logging.getLogger(__name__)
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# -ffp-contract=off: the compiler may not fuse a*b + c into one FMA (one rounding instead of two) on its
+# own. Where it may, scalar float code rounds differently with and without FMA in the ISA, and even
+# within one build, since the auto-vectorized main loop and the scalar tail of the same expression can
+# be contracted differently: a row's result would then depend on how many rows the kernel call has
+# (which rows land in the tail). Off, scalar code is the same IEEE operations whatever the ISA; the
+# explicit FMA intrinsics of the SIMD paths are unaffected. -march=... is added per build.
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# The ISA macros `build_info()["isa"]` reports, in this order (lowercased, without underscores around).
+ISA_MACROS = ["AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512BF16", "AVX512VNNI", "AVXVNNI",
+              "AMX_TILE", "AMX_BF16", "AMX_INT8"]
+# Bit i of pagellm_build_features() (cpu/features.cpp): the hand-written kernel paths compiled into the
+# library (today AVX2+FMA and F16C; the compiler may still auto-vectorize plain loops for any ISA in "isa").
+PATHS = ["avx2-fma", "f16c-kv"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
+    "pagellm_build_features": ([], _i32),
     "pagellm_has_simd": ([], _i32),
     "pagellm_has_f16_kv": ([], _i32),
     "pagellm_q4_1_linear": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
@@ -48,56 +65,101 @@ SIGNATURES = {
 }
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
+def _compiler() -> list[str] | None:
+    """The compiler command: $CXX when set (it may carry a launcher, e.g. "ccache g++"), else the first found."""
+    if os.environ.get("CXX"):
+        cmd = shlex.split(os.environ["CXX"])
+        if cmd and shutil.which(cmd[0]):
+            return cmd
+        log.warning("CXX=%s is not an executable compiler: using the plain torch CPU path (slower)",
+                    os.environ["CXX"])
+        return None
+    found = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if found is None:
+        log.warning("no C++ compiler found: using the plain torch CPU path (slower)")
+    return None if found is None else [found]
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{shlex.join(cmd[:4])} ...: {proc.stderr.strip()[-2000:]}")
+    return proc.stdout
 
 
-def _build(cxx: str) -> Path:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+def _build(cxx: list[str], march: str) -> tuple[Path, list[str]]:
+    """The cached library for -march=march (built when missing) and the ISA it targets."""
+    flags = [f"-march={march}", *FLAGS]
+    # All the macros, not only ISA_MACROS: two CPUs alike in those may differ in others (BMI2, AVX512VBMI,
+    # ...) that -march=native lets the compiler use, and must not share a library.
+    macros = sorted(_run([*cxx, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull]).splitlines())
+    isa = [m.lower() for m in ISA_MACROS if f"#define __{m}__ 1" in macros]
     key = hashlib.sha256()
-    for part in [version, _cpu_flags(), " ".join(FLAGS), *(s.read_text() for s in SOURCES + HEADERS)]:
-        key.update(part.encode())
+    for part in [_run([*cxx, "--version"]), " ".join(isa), *macros, " ".join(flags),
+                 *(s.read_text() for s in SOURCES + HEADERS)]:
+        key.update(part.encode() + b"\0")
     cache = Path(os.environ.get("PAGELLM_CACHE_DIR", Path.home() / ".cache" / "pagellm")) / "kernels"
     lib = cache / f"pagellm_cpu_{key.hexdigest()[:16]}.so"
     if lib.exists():
-        return lib
+        return lib, isa
     cache.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(proc.stderr.strip()[-2000:])
+        _run([*cxx, *flags, "-o", tmp, *map(str, SOURCES)])
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return lib
+    return lib, isa
+
+
+def _load_enabled() -> tuple[ctypes.CDLL, dict] | None:
+    # The switch is read on every call, outside the cache: turning the kernels off for one engine (a test,
+    # a comparison run) must not leave them off, or missing, for the rest of the process.
+    return None if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0" else _load()
 
 
 @functools.cache
-def cpu_kernels() -> ctypes.CDLL | None:
-    if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0":
-        return None
+def _load() -> tuple[ctypes.CDLL, dict] | None:
     cxx = _compiler()
     if cxx is None:
-        log.warning("no C++ compiler found: using the plain torch CPU path (slower)")
         return None
+    march = os.environ.get("PAGELLM_CPU_ARCH") or "native"
     try:
-        lib = ctypes.CDLL(str(_build(cxx)))
+        path, isa = _build(cxx, march)
+        lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as e:
         log.warning("could not build the CPU kernels, using the plain torch path: %s", e)
         return None
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
-    return lib
+    bits = lib.pagellm_build_features()
+    paths = [p for i, p in enumerate(PATHS) if bits >> i & 1] or ["portable"]
+    log.info("CPU kernels: -march=%s, targeting ISA %s, kernel paths %s (%s)", march,
+             " ".join(isa) or "baseline", ", ".join(paths), path)
+    return lib, {"march": march, "isa": isa, "paths": paths, "library": str(path)}
+
+
+def library() -> ctypes.CDLL:
+    """The loaded library, for the op wrappers: the platform already decided that the kernels run, so this
+    skips the switch (an environment lookup per op call showed in profiles) and fails loudly if absent."""
+    loaded = _load()
+    if loaded is None:
+        raise RuntimeError("the native CPU kernels are not available here")
+    return loaded[0]
+
+
+def cpu_kernels() -> ctypes.CDLL | None:
+    """The loaded library, or None when switched off (PAGELLM_CPU_KERNELS=0) or it cannot be built."""
+    loaded = _load_enabled()
+    return None if loaded is None else loaded[0]
+
+
+def build_info() -> dict | None:
+    """{"march", "isa" (what the build targets), "paths" (kernel paths compiled in), "library"}, or None
+    where cpu_kernels() is None."""
+    loaded = _load_enabled()
+    return None if loaded is None else {k: list(v) if isinstance(v, list) else v for k, v in loaded[1].items()}

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from pagellm.kernels.build import cpu_kernels
+from pagellm.kernels.build import cpu_kernels, library
 from pagellm.kernels.ops import PAGED_ATTENTION_MAX_QUERIES, ptr
 from pagellm.quant.formats import PACKED_MAX_ROWS
 
@@ -56,7 +56,7 @@ class NativeDecoder:
 
     def __init__(self, model):
         cfg = model.config
-        self.fn = cpu_kernels().pagellm_decoder_forward
+        self.fn = library().pagellm_decoder_forward
         self.model = model
         attn0 = model.layers[0].self_attn
         self.dims = DecoderDims(cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from pagellm.kernels.build import cpu_kernels
+from pagellm.kernels.build import cpu_kernels, library
 from pagellm.quant.formats import PackedWeight
 
 # Requests with more new rows than this (long prefill chunks) attend through SDPA instead: the kernel scores one
@@ -26,7 +26,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = Fal
     to int8 per 32-value block, integer dot products), faster for one row, no longer float32-exact."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    lib, (m, k), n = cpu_kernels(), x.shape, w.out_features
+    lib, (m, k), n = library(), x.shape, w.out_features
     y = torch.empty(m, n, dtype=torch.float32)
     threads = torch.get_num_threads()
     if w.kind == "q4_1":
@@ -42,7 +42,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = Fal
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x += residual (in place, when given); returns rmsnorm(x) * weight. x: contiguous [T, C]."""
     out = torch.empty_like(x)
-    cpu_kernels().pagellm_add_rmsnorm(x.data_ptr(), ptr(residual), weight.data_ptr(), out.data_ptr(),
+    library().pagellm_add_rmsnorm(x.data_ptr(), ptr(residual), weight.data_ptr(), out.data_ptr(),
                                       x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
@@ -50,35 +50,34 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
 def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
           positions: torch.Tensor) -> None:
     """Rotates the first num_heads heads of each row of x ([T, >= num_heads * head_dim], row-strided) in place."""
-    cpu_kernels().pagellm_rope(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, cos.data_ptr(),
+    library().pagellm_rope(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, cos.data_ptr(),
                                sin.data_ptr(), positions.data_ptr(), torch.get_num_threads())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    cpu_kernels().pagellm_silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    library().pagellm_silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
     return out
 
 
 @functools.cache
-def _has_f16_kv() -> bool:
-    lib = cpu_kernels()
-    return lib is not None and bool(lib.pagellm_has_f16_kv())
+def _build_reads_f16_kv() -> bool:
+    return bool(library().pagellm_has_f16_kv())
 
 
 def kv_dtype_supported(dtype: torch.dtype) -> bool:
     """The attention kernels read float32 caches, and float16 ones where the build converts them (F16C)."""
-    if dtype == torch.float16:
-        return _has_f16_kv()
-    return dtype == torch.float32 and cpu_kernels() is not None
+    if cpu_kernels() is None:
+        return False
+    return dtype == torch.float32 or (dtype == torch.float16 and _build_reads_f16_kv())
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """k, v: [T, KV, D] float32 views whose rows may be strided (slices of the fused qkv output); a float16
     cache stores them rounded to nearest, like torch's .to(torch.float16)."""
     _, num_blocks, block_size, num_kv, head_dim = kv_cache.shape
-    rc = cpu_kernels().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], num_kv,
+    rc = library().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], num_kv,
                                         head_dim, kv_cache.data_ptr(), num_blocks, block_size, slots.data_ptr(),
                                         int(kv_cache.dtype == torch.float16))
     if rc:
@@ -91,7 +90,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     t, h, d = q.shape
     _, num_blocks, block_size, num_kv, _ = kv_cache.shape
     out = torch.empty(t, h, d, dtype=torch.float32)
-    rc = cpu_kernels().pagellm_paged_attention(
+    rc = library().pagellm_paged_attention(
         q.data_ptr(), q.stride(0), t, h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv,
         block_tables.data_ptr(), block_tables.stride(0), row_seq.data_ptr(), row_pos.data_ptr(), window or 0,
         scale, out.data_ptr(), torch.get_num_threads(), int(kv_cache.dtype == torch.float16))

@@ -16,7 +16,6 @@ import mmap
 import os
 import platform as _platform
 from collections.abc import Iterator
-from functools import cached_property
 
 import torch
 
@@ -99,7 +98,7 @@ class CpuPlatform(Platform):
 
         return blas.sgemm_available()
 
-    @cached_property
+    @property
     def kernel_build(self) -> dict | None:
         from pagellm.kernels import build
 
@@ -167,7 +166,7 @@ class CpuPlatform(Platform):
             "isa": " ".join(self.isa) or "baseline x86-64",
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "kernels": ("off" if build is None else
-                        f"built for -march={build['march']}: paths {', '.join(build['paths'])}"),
+                        f"built for -march={build['march']}, hand-written paths {', '.join(build['paths'])}"),
             "kernel_isa": "-" if build is None else " ".join(build["isa"]) or "baseline x86-64",
             "dtype": f"auto -> {str(dtype).removeprefix('torch.')}",
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
