@@ -197,6 +197,10 @@ class EngineArgs:
     # verification rows cost compute, and with enough rows in the batch that outweighs the saved steps
     # (on the 2-core CPU, n-gram K=4 already loses at batch 4: benchmarks/results/README.md).
     speculative_disable_by_batch_size: int | None = None
+    # n-gram drafts only where they pay: the engine measures what verification rows cost and what each
+    # request's drafts bring, and drops the drafts that would lower tokens per second
+    # (pagellm/spec_decode/adaptive.py). False drafts whatever the proposer finds, as before.
+    speculative_adaptive: bool = True
 
     def __post_init__(self):
         if self.dtype not in COMPUTE_DTYPES:
@@ -275,6 +279,10 @@ class EngineArgs:
                        help="bytes for the draft model's KV cache")
         g.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
                        help="skip speculation in steps with at least this many running requests")
+        g.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction,
+                       default=d.speculative_adaptive,
+                       help="n-gram speculation: keep only the drafts that raise measured tokens per second "
+                            "(default); --no-speculative-adaptive verifies every draft found")
         g.add_argument("--attention-backend", default=d.attention_backend,
                        choices=[*ATTENTION_BACKENDS, *ATTENTION_BACKEND_ALIASES], metavar="BACKEND",
                        help="auto (the platform's choice: cpu_paged, the native CPU kernel, when it builds, "

@@ -209,7 +209,7 @@ def test_engine_greedy_ids_equal_with_and_without_kernels(smollm_gguf_path, monk
 
     prompts = ["The capital of France is", "def fib(n):\n    ", "List three colors: red, green,"]
     params = SamplingParams(temperature=0.0, max_tokens=48)
-    fast = LLM(smollm_gguf_path, speculative_method="ngram")
+    fast = LLM(smollm_gguf_path, speculative_method="ngram", speculative_adaptive=False)
     assert type(fast.engine.runner.backend).__name__ == "CpuPagedAttention"
     assert fast.engine.model.layers[0].mlp.gate_up_proj.packed is not None
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
@@ -224,7 +224,7 @@ def test_native_decoder_equals_module_path(smollm_gguf_path):
     path, so few-row steps give bit-identical logits with it and without it."""
     from pagellm import LLM, SamplingParams
 
-    llm = LLM(smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=3)
+    llm = LLM(smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3)
     # Each batch is one step's worth of prompts. The 18-token prompt alone has more new rows than the paged
     # kernel serves per request and fewer than the decoder's step limit: its prefill must take the module
@@ -327,7 +327,8 @@ def test_int8_activations_speculative_greedy_identity(smollm_gguf_path):
     prompt = ("Repeat this list exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "
               "alpha beta gamma delta")
     plain = LLM(smollm_gguf_path, int8_activations=True).generate([prompt], params, use_tqdm=False)[0]
-    spec_llm = LLM(smollm_gguf_path, int8_activations=True, speculative_method="ngram", num_speculative_tokens=4)
+    spec_llm = LLM(smollm_gguf_path, int8_activations=True, speculative_method="ngram", num_speculative_tokens=4,
+                   speculative_adaptive=False)
     spec = spec_llm.generate([prompt], params, use_tqdm=False)[0]
     assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
     assert spec_llm.engine.scheduler.stats.num_accepted_tokens > 0  # verification rows really ran

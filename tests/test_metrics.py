@@ -63,7 +63,7 @@ def test_swap_counters_move_under_swap_pressure(tiny_hf_model, smollm_gguf_path)
 def test_spec_decode_counters_move(tiny_hf_model, smollm_gguf_path):
     engine = LLMEngine(EngineArgs(model=tiny_hf_model("llama", max_position_embeddings=1024),
                                   tokenizer=smollm_gguf_path, block_size=8, kv_cache_memory="4MiB",
-                                  speculative_method="ngram", num_speculative_tokens=3))
+                                  speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False))
     prompt = [7, 8, 9, 10] * 6
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 

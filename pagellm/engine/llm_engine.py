@@ -24,6 +24,7 @@ from pagellm.platforms.base import DTYPES
 from pagellm.request import Request, RequestStatus
 from pagellm.sample import Sampler, StepSampler
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode.adaptive import SpeculationController
 from pagellm.spec_decode.proposers import DraftModelProposer, NgramProposer
 from pagellm.tokenizer import Tokenizer
 
@@ -114,6 +115,9 @@ class LLMEngine:
         self.step_sampler = StepSampler(Sampler(self.eos_token_ids), self.device)
         self.proposer = build_proposer(args, self.max_model_len, self.runner, self.step_sampler.sampler,
                                        self.model_config, platform, dtype, self.device)
+        # The draft model's own cost is not modelled yet: adaptive drafting is for the n-gram proposer.
+        adaptive = args.speculative_adaptive and isinstance(self.proposer, NgramProposer)
+        self.spec_controller = SpeculationController() if adaptive else None
         self.requests: dict[str, RequestState] = {}
         self._seq_to_request: dict[str, str] = {}
         self.stats = EngineStats()
@@ -250,14 +254,9 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()  # adaptive speculation weighs whole steps: proposing and bookkeeping cost too
         if self.proposer is not None:
-            running = self.scheduler.running
-            limit = self.args.speculative_disable_by_batch_size
-            if limit is not None and len(running) >= limit:
-                for req in running:  # a draft proposer catches up on the skipped tokens next time
-                    req.clear_spec()
-            else:
-                self.proposer.propose(running)
+            self._propose()
         sched_out = self.scheduler.schedule()
         sampled = self.step_sampler(*self.runner.forward_logits(sched_out))
         before = {s.request.request_id: s.request.num_output_tokens for s in sched_out.scheduled}
@@ -291,7 +290,46 @@ class LLMEngine:
             outputs.append(state.output())
             if state.finished:
                 self._finish(rid, state)
+        if self.spec_controller is not None:
+            self._observe_speculation(sched_out, sampled, time.perf_counter() - t0)
         return outputs
+
+    def _propose(self) -> None:
+        running = self.scheduler.running
+        limit = self.args.speculative_disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            for req in running:  # a draft proposer catches up on the skipped tokens next time
+                req.clear_spec()
+            return
+        ctl = self.spec_controller
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        if ctl is not None and not ctl.wants_proposals(len(decoding)):
+            for req in running:
+                req.clear_spec()
+            ctl.skip()
+            return
+        self.proposer.propose(running)
+        if ctl is None:
+            return
+        ctl.retain({r.request_id for r in running})
+        keep = ctl.plan({r.request_id: len(r.spec_token_ids) for r in decoding if r.spec_token_ids},
+                                         batch_rows=len(decoding))
+        for req in decoding:
+            k = keep.get(req.request_id, 0)
+            if k == 0:
+                req.clear_spec()
+            else:
+                req.spec_token_ids = req.spec_token_ids[:k]
+
+    def _observe_speculation(self, sched_out, sampled, seconds: float) -> None:
+        """Step time of decode-only steps by row count; each drafting request's accepted drafts."""
+        ctl = self.spec_controller
+        if sched_out.scheduled and all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched_out.scheduled):
+            ctl.observe_step(sum(s.num_new_tokens for s in sched_out.scheduled), seconds)
+        for s in sched_out.scheduled:
+            rid = s.request.request_id
+            if s.spec_token_ids and rid in sampled:
+                ctl.observe_request(rid, len(s.spec_token_ids), len(sampled[rid].accepted))
 
     def _finish(self, rid: str, state: RequestState) -> None:
         del self.requests[rid]

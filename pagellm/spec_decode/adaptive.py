@@ -1,0 +1,140 @@
+"""Draft only where it pays: the engine measures what verification rows cost and what drafts bring.
+
+A decode step of R rows (each running request's next token plus its drafts) takes t(R) seconds; a
+request yields 1 + P(draft 1 accepted) + P(drafts 1-2 accepted) + ... tokens from k drafts (accepting
+stops at the first rejection). So the j-th draft adds P(drafts 1..j accepted) expected tokens at the cost
+of one more row, t(R + 1) - t(R). With the drafts sorted by value, the engine keeps the prefix with the
+most expected tokens per second (none, if no prefix beats the plain step) and drops the rest before the
+step is scheduled. While a batch size keeps nothing, the proposer itself is skipped on most steps (its
+search costs time too). Greedy output is unaffected: drafts never change what is generated, only how
+many tokens a step verifies.
+
+Both sides are measured online: t(R) as a moving average of whole decode-only steps per row count (row
+counts never seen are interpolated, or extrapolated from the per-row slope seen so far), and for each
+request and draft position the smoothed rate at which that draft is accepted given the ones before were.
+A batch size's first step runs plain and its next one with every draft (so both ends are measured);
+after that, one step in EXPLORE_EVERY drafts everything proposed and another drafts nothing, so the
+estimates follow the text and the context length. That bounds the cost of a wrong estimate to about one
+step in EXPLORE_EVERY.
+"""
+
+from __future__ import annotations
+
+# (accepted, offered) pseudo-counts for the first draft position and the later ones: a new request starts at
+# 0.5 for its first draft and 2/3 for each next one given the one before was accepted (n-gram acceptance
+# comes in runs: once a copy is under way, the next draft is likelier to be right).
+FIRST_PRIOR = (1.0, 2.0)
+NEXT_PRIOR = (2.0, 3.0)
+DECAY = 0.9  # per observation: a request's acceptance follows the text it is writing now
+COST_EMA = 0.2  # weight of a new step time in its row count's average
+EXPLORE_EVERY = 16
+RECHECK_EVERY = 4  # while a batch size keeps no drafts, ask the proposer on one step in this many
+
+
+class SpeculationController:
+    def __init__(self, explore_every: int = EXPLORE_EVERY):
+        self.explore_every = explore_every
+        self.step_cost: dict[int, float] = {}  # rows -> seconds (moving average, decode-only steps)
+        # request id -> per draft position j: (accepted, offered) counts, decayed; position j is offered when
+        # drafts 1..j-1 were accepted
+        self.acceptance: dict[str, list[list[float]]] = {}
+        self.num_plans = 0
+        self.kept: dict[int, int] = {}  # batch rows -> drafts kept by the last plan at that batch size
+
+    # ---- measurements -------------------------------------------------------------------------
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step (every request computed its next token, plus drafts) of `rows` rows."""
+        old = self.step_cost.get(rows)
+        self.step_cost[rows] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+
+    def observe_request(self, request_id: str, drafted: int, accepted: int) -> None:
+        counts = self.acceptance.setdefault(request_id, [])
+        for j in range(min(accepted + 1, drafted)):  # positions 1..accepted+1 were offered
+            if j == len(counts):
+                counts.append(list(FIRST_PRIOR if j == 0 else NEXT_PRIOR))
+            counts[j][0] = DECAY * counts[j][0] + (j < accepted)
+            counts[j][1] = DECAY * counts[j][1] + 1
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Drop the acceptance of requests that no longer run (finished, aborted or preempted)."""
+        for rid in [r for r in self.acceptance if r not in request_ids]:
+            del self.acceptance[rid]
+
+    def accept_rate(self, request_id: str, position: int = 1) -> float:
+        """P(draft `position` is accepted | the drafts before it were)."""
+        counts = self.acceptance.get(request_id, [])
+        a, d = counts[position - 1] if position <= len(counts) else (FIRST_PRIOR if position == 1 else NEXT_PRIOR)
+        return min(a / d, 0.99)
+
+    def draft_values(self, request_id: str, k: int) -> list[float]:
+        """Expected tokens the j-th draft adds, j = 1..k: the chance that drafts 1..j are all accepted."""
+        values, p = [], 1.0
+        for j in range(1, k + 1):
+            p *= self.accept_rate(request_id, j)
+            values.append(p)
+        return values
+
+    def cost(self, rows: int) -> float | None:
+        """Estimated seconds for a decode step of `rows` rows; None before any step was measured."""
+        known = self.step_cost
+        if rows in known:
+            return known[rows]
+        if not known:
+            return None
+        below = max((r for r in known if r < rows), default=None)
+        above = min((r for r in known if r > rows), default=None)
+        if below is not None and above is not None:  # interpolate
+            f = (rows - below) / (above - below)
+            return known[below] + f * (known[above] - known[below])
+        slope = self._slope()
+        if below is not None:
+            return known[below] + (rows - below) * slope if slope is not None else None
+        return max(known[above] - (above - rows) * (slope or 0.0), 1e-9)
+
+    def _slope(self) -> float | None:
+        """Seconds per extra row, from the two most distant measured row counts."""
+        if len(self.step_cost) < 2:
+            return None
+        lo, hi = min(self.step_cost), max(self.step_cost)
+        return max((self.step_cost[hi] - self.step_cost[lo]) / (hi - lo), 0.0)
+
+    # ---- the decision -------------------------------------------------------------------------
+    def plan(self, proposals: dict[str, int], batch_rows: int) -> dict[str, int]:
+        """proposals: request id -> drafts proposed; batch_rows: rows of the step without any draft.
+        Returns how many of each request's drafts to keep."""
+        self.num_plans += 1
+        if not proposals:
+            return {}
+        phase = self.num_plans % self.explore_every
+        if batch_rows not in self.step_cost or phase == self.explore_every // 2:
+            return dict.fromkeys(proposals, 0)  # measure the plain step
+        if phase == 0 or not any(r > batch_rows for r in self.step_cost):
+            return dict(proposals)  # measure a step with every draft (and the acceptance rates)
+        marginal = sorted((v, rid) for rid, k in proposals.items() for v in self.draft_values(rid, k))
+        marginal.reverse()
+        # The best prefix of the drafts sorted by value, not the first that stops paying: step cost is not
+        # convex in rows (on the CPU a step of at most 20 rows runs packed few-row kernels whose cost grows
+        # with every row, more rows the GEMMs, where a row costs far less).
+        best, best_rate, tokens = 0, batch_rows / self.cost(batch_rows), float(batch_rows)
+        for n, (gain, _) in enumerate(marginal, 1):
+            tokens += gain
+            rate = tokens / self.cost(batch_rows + n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        keep = dict.fromkeys(proposals, 0)
+        for _, rid in marginal[:best]:
+            keep[rid] += 1
+        self.kept[batch_rows] = best
+        return keep
+
+    def wants_proposals(self, batch_rows: int) -> bool:
+        """Whether to run the proposer at all this step: proposing costs time too (the n-gram search over
+        every running request), so while this batch size keeps no drafts it is asked only every
+        RECHECK_EVERY plans, and on the exploration phases."""
+        phase = (self.num_plans + 1) % self.explore_every  # the phase plan() will be in
+        return self.kept.get(batch_rows, 1) > 0 or phase in (0, self.explore_every // 2) or \
+            (self.num_plans + 1) % RECHECK_EVERY == 0
+
+    def skip(self) -> None:
+        """A step planned without proposals (wants_proposals said no): it still counts as a plan."""
+        self.num_plans += 1

@@ -1,0 +1,100 @@
+"""Adaptive drafting (pagellm/spec_decode/adaptive.py): drafts are kept only where their expected tokens
+are worth the measured cost of the rows that verify them; output never changes."""
+
+import random
+
+from pagellm import LLM, SamplingParams
+from pagellm.spec_decode.adaptive import EXPLORE_EVERY, SpeculationController
+
+
+def warmed(costs: dict[int, float]) -> SpeculationController:
+    ctl = SpeculationController()
+    for rows, seconds in costs.items():
+        ctl.observe_step(rows, seconds)
+    ctl.num_plans = 1  # away from the exploration phases (0 and EXPLORE_EVERY // 2)
+    return ctl
+
+
+def test_first_steps_measure_plain_then_every_draft():
+    ctl = SpeculationController()
+    assert ctl.plan({"a": 4}, batch_rows=1) == {"a": 0}  # no plain-step time for 1 row yet
+    ctl.observe_step(1, 0.010)
+    assert ctl.plan({"a": 4}, batch_rows=1) == {"a": 4}  # nothing measured above 1 row yet
+    assert ctl.plan({}, batch_rows=1) == {}
+
+
+def test_drafts_are_dropped_when_rows_cost_more_than_they_bring():
+    # each extra row costs 0.75 of a plain step; a request at the prior acceptance (0.5) gains 0.5 a row
+    ctl = warmed({1: 1.0, 5: 4.0})
+    assert ctl.plan({"a": 4}, batch_rows=1) == {"a": 0}
+    # cheap rows and a request that is accepted 90% of the time: keep every draft
+    ctl = warmed({1: 1.0, 5: 1.2})
+    for _ in range(10):
+        ctl.observe_request("a", drafted=4, accepted=4)
+    assert ctl.accept_rate("a") > 0.85
+    assert ctl.plan({"a": 4}, batch_rows=1) == {"a": 4}
+
+
+def test_per_request_acceptance_decides_who_drafts():
+    ctl = warmed({4: 1.0, 12: 1.8})  # 0.1 of a plain batch-4 step per extra row
+    for _ in range(10):
+        ctl.observe_request("copying", drafted=4, accepted=4)
+        ctl.observe_request("writing", drafted=4, accepted=0)
+    keep = ctl.plan({"copying": 4, "writing": 4}, batch_rows=4)
+    assert keep == {"copying": 4, "writing": 0}
+    ctl.retain({"copying"})
+    assert "writing" not in ctl.acceptance and ctl.accept_rate("writing") == 0.5
+
+
+def test_acceptance_is_measured_per_draft_position():
+    """n-gram drafts come in runs: half the time no draft is right, the other half all four are. The j-th
+    draft is then worth about 0.5 (not 0.5^j), so four drafts pay where a geometric model would keep one."""
+    ctl = warmed({1: 1.0, 5: 2.2})  # each extra row 0.3 of a plain step
+    for i in range(20):
+        ctl.observe_request("a", drafted=4, accepted=4 if i % 2 else 0)
+    values = ctl.draft_values("a", 4)
+    assert 0.4 < values[0] < 0.6 and values[3] > 0.8 * values[0]
+    assert ctl.plan({"a": 4}, batch_rows=1) == {"a": 4}
+
+
+def test_exploration_keeps_measuring_both_ends():
+    ctl = warmed({1: 1.0, 5: 4.0})  # drafts never pay here
+    plans = [ctl.plan({"a": 3}, batch_rows=1)["a"] for _ in range(2 * EXPLORE_EVERY)]
+    assert plans.count(3) == 2 and plans.count(0) == 2 * EXPLORE_EVERY - 2
+
+
+def test_cost_interpolates_and_extrapolates():
+    ctl = warmed({2: 1.0, 6: 2.0})
+    assert ctl.cost(4) == 1.5  # between two measured row counts
+    assert ctl.cost(10) == 3.0  # beyond: the measured per-row slope
+    assert ctl.cost(1) == 0.75
+    assert SpeculationController().cost(3) is None
+
+
+def test_engine_output_is_identical_and_drafts_follow_the_measured_cost(tiny_hf_model, smollm_gguf_path):
+    """With the engine's own measurements, and with a rigged cost table that makes every draft a loss,
+    greedy output equals non-speculative decoding; the rigged engine verifies drafts only when it explores."""
+    tiny = tiny_hf_model("llama", max_position_embeddings=1024)
+    rng = random.Random(3)
+    prompts = [([rng.randrange(3, 512) for _ in range(5)] * 6)[:rng.randint(12, 30)] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def make(**kw):
+        return LLM(tiny, tokenizer=smollm_gguf_path, block_size=8, kv_cache_memory="8MiB", **kw)
+
+    def greedy(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    plain = greedy(make())
+    adaptive = make(speculative_method="ngram", num_speculative_tokens=4)
+    assert greedy(adaptive) == plain
+    assert adaptive.engine.spec_controller is not None and adaptive.engine.spec_controller.step_cost
+
+    rigged = make(speculative_method="ngram", num_speculative_tokens=4)
+    ctl = rigged.engine.spec_controller
+    ctl.observe_step = lambda rows, seconds: None  # keep the rigged costs: each extra row a whole step
+    ctl.step_cost.update({r: float(r) for r in range(1, 64)})
+    assert greedy(rigged) == plain
+    # only exploration steps (one plan in EXPLORE_EVERY) verify drafts, for at most 6 requests each
+    explored = ctl.num_plans // EXPLORE_EVERY + 1
+    assert 0 < rigged.engine.scheduler.stats.num_spec_steps <= 6 * explored < rigged.engine.stats.steps
