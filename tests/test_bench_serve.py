@@ -135,6 +135,31 @@ def test_sharegpt_dataset_run_with_tight_slo(server_url, tmp_path):
                       str(data)])
 
 
+def test_local_tokenizer_instead_of_the_servers_endpoints(server_url, smollm_gguf_path, tmp_path):
+    """--tokenizer: the vocabulary and sharegpt token counts come from the local tokenizer, as against a
+    server whose /detokenize checks no range (vLLM's); they agree with what the server's endpoints say."""
+    from pagellm.tokenizer import Tokenizer
+
+    out_json = tmp_path / "t.json"
+    rc = main(["bench", "serve", "--url", server_url, "--num-prompts", "3", "--input-len", "12", "--output-len", "4",
+               "--tokenizer", smollm_gguf_path, "--json", str(out_json)])
+    assert rc == 0
+    report = json.loads(out_json.read_text())
+    _check(report, 3, [4] * 3)
+    assert report["tokenizer"] == smollm_gguf_path and all(r["prompt_tokens"] == 12 for r in report["requests"])
+
+    text = "Question: tell me about the tokenizer."
+    convs = [{"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "It splits text. " * 3}]}]
+    data = tmp_path / "one.json"
+    data.write_text(json.dumps(convs))
+    rc = main(["bench", "serve", "--url", server_url, "--num-prompts", "1", "--dataset", "sharegpt-json", str(data),
+               "--tokenizer", smollm_gguf_path, "--json", str(out_json)])
+    assert rc == 0
+    served = httpx.post(server_url + "/tokenize", json={"prompt": text, "add_special_tokens": True}).json()["tokens"]
+    local = Tokenizer.from_path(smollm_gguf_path).encode(text, add_special_tokens=True)
+    assert local == served and json.loads(out_json.read_text())["requests"][0]["prompt_tokens"] == len(local)
+
+
 def main_raising(argv: list[str]) -> int:
     from pagellm.cli import build_parser
 

@@ -33,6 +33,10 @@ LOW_TOKEN_ID = 100  # random prompts avoid the low ids, where tokenizers keep th
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the served model's tokenizer (a .gguf file or Hugging Face directory): random prompts "
+                        "draw ids from its vocabulary and sharegpt prompts are tokenized locally. Needed for a "
+                        "server without pagellm's /tokenize and /detokenize (vLLM's accepts any token id)")
     p.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $PAGELLM_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests (default 64)")
@@ -118,9 +122,21 @@ def _len_range(length: int, ratio: float) -> tuple[int, int]:
     return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
 
 
+PROBE_LIMIT = 1 << 22  # no served vocabulary is this large: a server that decodes it checks no range
+
+
 async def _vocab_size(client, base: str) -> int:
-    # The API does not report the vocabulary size, but /detokenize rejects out-of-range ids: bisect it.
-    lo, hi = LOW_TOKEN_ID, 1 << 22
+    """The API does not report the vocabulary size, but pagellm's /detokenize rejects out-of-range ids: bisect
+    it (22 requests). A server that decodes any id (vLLM's) or has no /detokenize gives no answer: then the
+    tokenizer must come from --tokenizer."""
+    hint = "pass the served model's tokenizer with --tokenizer PATH"
+    r = await client.post(base + "/detokenize", json={"tokens": [PROBE_LIMIT]})
+    if r.status_code == 200:
+        raise ValueError(f"{base}/detokenize accepts token id {PROBE_LIMIT}, so the vocabulary size cannot be "
+                         f"probed there: {hint}")
+    if (await client.post(base + "/detokenize", json={"tokens": [LOW_TOKEN_ID]})).status_code != 200:
+        raise ValueError(f"{base}/detokenize does not decode token id {LOW_TOKEN_ID}: {hint}")
+    lo, hi = LOW_TOKEN_ID, PROBE_LIMIT
     while hi - lo > 1:
         mid = (lo + hi) // 2
         r = await client.post(base + "/detokenize", json={"tokens": [mid]})
@@ -128,13 +144,29 @@ async def _vocab_size(client, base: str) -> int:
     return hi
 
 
-async def _tokenize(client, base: str, text: str, special: bool) -> list[int]:
-    r = await client.post(base + "/tokenize", json={"prompt": text, "add_special_tokens": special})
-    r.raise_for_status()
-    return r.json()["tokens"]
+class _ServerTokenizer:
+    """Token counts from the server's /tokenize (pagellm's and vLLM's take the same body)."""
+
+    def __init__(self, client, base: str):
+        self.client, self.base = client, base
+
+    async def encode(self, text: str, special: bool) -> list[int]:
+        r = await self.client.post(self.base + "/tokenize", json={"prompt": text, "add_special_tokens": special})
+        r.raise_for_status()
+        return r.json()["tokens"]
 
 
-async def _sharegpt(client, base: str, path: str, n: int, seed: int, max_model_len: int) -> list[BenchRequest]:
+class _LocalTokenizer:
+    def __init__(self, path: str):
+        from pagellm.tokenizer import Tokenizer
+
+        self.tok = Tokenizer.from_path(path)
+
+    async def encode(self, text: str, special: bool) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=special)
+
+
+async def _sharegpt(tokenizer, path: str, n: int, seed: int, max_model_len: int) -> list[BenchRequest]:
     """First human turn as the prompt, the first gpt turn's token count as the output length. Like vLLM,
     very short answers (< 4 tokens) and pairs that do not fit the context are skipped."""
     with open(path) as f:
@@ -147,8 +179,8 @@ async def _sharegpt(client, base: str, path: str, n: int, seed: int, max_model_l
         gpt = next((t["value"] for t in conv if t.get("from") == "gpt"), None)
         if not human or not gpt:
             continue
-        prompt = await _tokenize(client, base, human, True)
-        n_out = len(await _tokenize(client, base, gpt, False))
+        prompt = await tokenizer.encode(human, True)
+        n_out = len(await tokenizer.encode(gpt, False))
         if n_out >= 4 and len(prompt) + n_out <= max_model_len:
             out.append(BenchRequest(prompt, n_out))
             if len(out) == n:
@@ -301,10 +333,12 @@ async def _bench(ns, slos: dict[str, float], kind: str, path: str | None) -> dic
             if lens_in[1] + lens_out[1] > max_len:
                 raise ValueError(f"input + output length up to {lens_in[1] + lens_out[1]} exceeds the server's "
                                  f"max_model_len {max_len}")
-            vocab = await _vocab_size(client, base)
+            local = _LocalTokenizer(ns.tokenizer) if ns.tokenizer else None
+            vocab = local.tok.vocab_size if local else await _vocab_size(client, base)
             requests = random_workload(ns.num_prompts, vocab, lens_in, lens_out, ns.seed, LOW_TOKEN_ID)
         else:
-            requests = await _sharegpt(client, base, path, ns.num_prompts, ns.seed, max_len)
+            tokenizer = _LocalTokenizer(ns.tokenizer) if ns.tokenizer else _ServerTokenizer(client, base)
+            requests = await _sharegpt(tokenizer, path, ns.num_prompts, ns.seed, max_len)
         # One short request first: fails fast on a misconfigured server and warms it up, outside the timing.
         warm = await _send(client, base, model, BenchRequest(requests[0].prompt_token_ids, 1), time.perf_counter())
         if not warm.success:
@@ -314,7 +348,7 @@ async def _bench(ns, slos: dict[str, float], kind: str, path: str | None) -> dic
             "command": "pagellm " + " ".join(sys.argv[1:]),
             "client": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                        "python": platform.python_version()},
-            "url": base, "model": model,
+            "url": base, "model": model, "tokenizer": ns.tokenizer,
             "dataset": {"name": kind, "path": path, "input_len": ns.input_len if kind == "random" else None,
                         "output_len": ns.output_len if kind == "random" else None,
                         "range_ratio": ns.range_ratio if kind == "random" else None, "seed": ns.seed},
