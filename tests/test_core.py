@@ -11,6 +11,9 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
 
+# pure Python or a tiny model: seconds here; a minute means something hangs
+pytestmark = pytest.mark.timeout(60)
+
 
 def make_req(rid, n_prompt, max_tokens=8, first_token=0, **kw):
     return Request(rid, list(range(first_token, first_token + n_prompt)),

@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,6 +11,9 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
+
+# pure Python or a tiny model: seconds here; a minute means something hangs
+pytestmark = pytest.mark.timeout(60)
 
 EOS = 3
 

@@ -1,10 +1,15 @@
 """Prefix caching, copy-on-write forks and swap preemption in the pure-Python core, with exact block ids."""
 
+import pytest
+
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.request import Request, RequestStatus
 from pagellm.sampling_params import SamplingParams
+
+# pure Python or a tiny model: seconds here; a minute means something hangs
+pytestmark = pytest.mark.timeout(60)
 
 
 def req(rid, tokens, max_tokens=4, salt=None):

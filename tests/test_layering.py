@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# pure Python or a tiny model: seconds here; a minute means something hangs
+pytestmark = pytest.mark.timeout(60)
+
 ROOT = Path(__file__).resolve().parents[1] / "pagellm"
 
 

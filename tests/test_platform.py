@@ -9,6 +9,9 @@ from pagellm.model.layers.custom_op import CustomOp
 from pagellm.platforms import get_platform
 from pagellm.platforms.cpu import CpuPlatform
 
+# pure Python or a tiny model: seconds here; a minute means something hangs
+pytestmark = pytest.mark.timeout(60)
+
 
 def test_cpu_platform_probe_and_description():
     p = get_platform("cpu")

@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 from pagellm.sample.sampler import Sampler, SamplingRow
 from pagellm.sampling_params import SamplingParams
 
+# pure Python or a tiny model: seconds here; a minute means something hangs
+pytestmark = pytest.mark.timeout(60)
+
 EOS = 3
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -3,8 +3,13 @@ are worth the measured cost of the rows that verify them; output never changes."
 
 import random
 
+import pytest
+
 from pagellm import LLM, SamplingParams
 from pagellm.spec_decode.adaptive import EXPLORE_EVERY, SpeculationController
+
+# pure Python or a tiny model: seconds here; a minute means something hangs
+pytestmark = pytest.mark.timeout(60)
 
 
 def warmed(costs: dict[int, float]) -> SpeculationController:

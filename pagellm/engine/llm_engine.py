@@ -15,6 +15,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.output_processor import RequestState, SequenceState
 from pagellm.model.attention import get_attention_backend
+from pagellm.model.layers.custom_op import CustomOp
 from pagellm.model.loader import load_config, resolve_model_path
 from pagellm.model.loader.model_loader import get_model, model_weight_bytes
 from pagellm.model.runner import ModelRunner
@@ -122,8 +123,10 @@ class LLMEngine:
         self._seq_to_request: dict[str, str] = {}
         self.stats = EngineStats()
         self.startup_seconds = time.perf_counter() - t0
-        logger.info("%s; attention %s%s", platform.summary_line(), backend.name,
-                    ", one-call native decoder" if self.runner.compiled_decoder is not None else "")
+        impl = next((m.impl for m in self.model.modules() if isinstance(m, CustomOp)), "native")
+        logger.info("%s; engine: dtype %s, KV %s, attention %s, ops forward_%s%s", platform.summary_line(
+            platform.HARDWARE_KEYS), _name(dtype), _name(kv_dtype), backend.name, impl,
+            ", one-call native decoder" if self.runner.compiled_decoder is not None else "")
         logger.info(
             "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache (%s) %d blocks x %d tokens = "
             "%d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",

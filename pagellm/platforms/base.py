@@ -97,7 +97,10 @@ class Platform:
     def describe(self) -> dict[str, str]:
         raise NotImplementedError
 
-    def summary_line(self) -> str:
+    HARDWARE_KEYS = ("device", "cpu", "gpu", "isa", "kernels", "threads")
+
+    def summary_line(self, keys: tuple[str, ...] | None = None) -> str:
+        """One line of describe(); by default with the platform's own choices for `auto` too."""
         d = self.describe()
-        keys = ("device", "cpu", "gpu", "isa", "kernels", "dtype", "attention_backend", "threads")
+        keys = keys or ("device", "cpu", "gpu", "isa", "kernels", "dtype", "attention_backend", "threads")
         return "platform: " + "; ".join(f"{k} {d[k]}" for k in keys if k in d)
