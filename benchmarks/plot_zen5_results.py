@@ -1,6 +1,7 @@
 """Draws benchmarks/results/zen5/summary.png from the JSON reports in that folder: the platform-layer
-refactor's offline throughput and batch-1 decode, before (50d21be) and after, run by run, and n-gram
-speculation's speed-up by batch size with every draft verified vs adaptive drafting.
+refactor's offline throughput and batch-1 decode, before (50d21be) and after, run by run; n-gram
+speculation's speed-up by batch size with every draft verified vs adaptive drafting; offline throughput
+with --dtype float32 vs auto.
 
     .venv/bin/python benchmarks/plot_zen5_results.py
 """
@@ -23,7 +24,7 @@ def load(name: str) -> dict:
 
 
 def main() -> None:
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (a, b, c, d) = plt.subplots(1, 4, figsize=(20, 4))
     runs = range(1, 5)
     old = [load(f"refactor_old_tp_{i}")["results"][0]["output_tokens_per_s"] for i in runs]
     new = [load(f"refactor_new_tp_{i}")["results"][0]["output_tokens_per_s"] for i in runs]
@@ -46,6 +47,12 @@ def main() -> None:
     c.axhline(1.0, color="gray", lw=0.8)
     c.set(title="n-gram K=4 speed-up over plain decoding", xlabel="batch size", ylabel="speed-up")
     c.legend()
+    f32 = [load(f"dtype_float32_tp_{i}")["results"][0]["output_tokens_per_s"] for i in (1, 2)]
+    auto = [load(f"dtype_auto_tp_{i}")["results"][0]["output_tokens_per_s"] for i in (1, 2)]
+    d.bar([0.8, 1.8], f32, 0.4, label="--dtype float32")
+    d.bar([1.2, 2.2], auto, 0.4, label="--dtype auto (bf16 many-row GEMMs)")
+    d.set(title="offline throughput by dtype", xlabel="pair", ylabel="output tok/s", xticks=[1, 2])
+    d.legend()
     fig.suptitle("2-core AMD EPYC Zen 5 (family 26), AVX-512 F/BW/BF16/VNNI, float32, SmolLM2-135M Q4_1")
     fig.tight_layout()
     fig.savefig(DIR / "summary.png", dpi=110)

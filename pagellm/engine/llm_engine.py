@@ -90,7 +90,7 @@ class LLMEngine:
         self.model_config = cfg = load_config(path)
         self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
         self.model = get_model(path, cfg, platform, dtype, self.device, args.int8_activations,
-                               args.packed_weights_only)
+                               args.packed_weights_only, auto_dtype=args.dtype == "auto")
         self.weights_bytes = model_weight_bytes(self.model)
 
         cache = args.cache_config()

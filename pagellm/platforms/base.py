@@ -18,13 +18,17 @@ class OpChoices:
     native_ops: fused native kernels for RMSNorm + residual, RoPE and SiLU-and-mul (`forward_cpu`);
     packed_kernels: few-row products read GGUF blocks in place; blas_gemm: many-row float32 GEMMs go
     through numpy's OpenBLAS; int8_activations: packed products round x to int8 (llama.cpp's scheme);
-    packed_weights_only: float copies of packed weights are freed after loading."""
+    packed_weights_only: float copies of packed weights are freed after loading; bf16_gemm: many-row
+    products (more rows than the few-row kernels take) multiply bfloat16 copies of the weights and of x with
+    float32 accumulation (torch's oneDNN GEMM), where the CPU has bf16 dot products and `--dtype auto` asked
+    for the platform's choice; everything else stays float32."""
 
     native_ops: bool = False
     packed_kernels: bool = False
     blas_gemm: bool = False
     int8_activations: bool = False
     packed_weights_only: bool = False
+    bf16_gemm: bool = False
 
     @property
     def op_impl(self) -> str:
@@ -61,7 +65,9 @@ class Platform:
         return {"linear": name, "attention": name, "norm": "float32 (then cast)", "logits": "float32"}
 
     def op_choices(self, dtype: torch.dtype, int8_activations: bool = False,
-                   packed_weights_only: bool = True) -> OpChoices:
+                   packed_weights_only: bool = True, auto: bool = False) -> OpChoices:
+        """auto: the user asked for the platform's choice (`--dtype auto`), so faster, non-exact paths may
+        be chosen; with an explicit dtype, only paths exact for it."""
         return OpChoices(int8_activations=int8_activations)
 
     def attention_backend(self, requested: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> str:

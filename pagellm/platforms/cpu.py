@@ -104,14 +104,20 @@ class CpuPlatform(Platform):
 
         return build.build_info() if self.native_kernels else None
 
+    @property
+    def bf16_dot_products(self) -> bool:
+        """AVX-512 BF16 or AMX-BF16: torch's oneDNN bfloat16 GEMM runs 2-3x the float32 one here."""
+        return "avx512_bf16" in self.isa or "amx_bf16" in self.isa
+
     def op_choices(self, dtype: torch.dtype, int8_activations: bool = False,
-                   packed_weights_only: bool = True) -> OpChoices:
+                   packed_weights_only: bool = True, auto: bool = False) -> OpChoices:
         native = dtype == torch.float32 and self.native_kernels
         blas = native and self.openblas_gemm
         # Dropping float copies needs a many-row path over the blocks (OpenBLAS on dequantized slices).
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
                          int8_activations=native and int8_activations,
-                         packed_weights_only=blas and packed_weights_only)
+                         packed_weights_only=blas and packed_weights_only,
+                         bf16_gemm=auto and dtype == torch.float32 and self.bf16_dot_products)
 
     def kv_dtype_readable_natively(self, kv_dtype: torch.dtype) -> bool:
         if not self.native_kernels:
@@ -158,7 +164,7 @@ class CpuPlatform(Platform):
 
     def describe(self) -> dict[str, str]:
         build = self.kernel_build
-        choices = self.op_choices(torch.float32)
+        choices = self.op_choices(torch.float32, auto=True)
         dtype = self.auto_dtype()
         return {
             "device": "cpu",
@@ -172,6 +178,8 @@ class CpuPlatform(Platform):
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
+            "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"
+                                   if choices.bf16_gemm else "float32"),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
             "kv_float16_native": str(self.kv_dtype_readable_natively(torch.float16)).lower(),
             "threads": str(torch.get_num_threads()),

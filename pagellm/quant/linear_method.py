@@ -42,7 +42,17 @@ class LinearMethod:
         dst.copy_(tensor.t())
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        pass
+        if self.choices.bf16_gemm:
+            layer.weight_bf16 = self.float_weight(layer).to(torch.bfloat16).contiguous()
+
+    def float_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The weight as float32 [out, in] (for the bfloat16 copy)."""
+        return layer.weight_t.t()
+
+    def bf16_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T on bfloat16 copies with float32 accumulation (oneDNN), float32 out (+ bias)."""
+        y = torch.mm(x.to(torch.bfloat16), layer.weight_bf16.t()).float()
+        return y if layer.bias is None else y.add_(layer.bias)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -56,6 +66,9 @@ class UnquantizedLinearMethod(LinearMethod):
     name = "unquantized"
 
     def apply(self, layer, x):
+        # few rows stay float32 (decode of float checkpoints is memory-bound either way)
+        if layer.weight_bf16 is not None and x.shape[0] > PACKED_MAX_ROWS:
+            return self.bf16_matmul(layer, x)
         return self.gemm(x, layer.weight_t, layer.bias)
 
 
@@ -72,13 +85,19 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return self.choices.int8_activations
 
     def process_after_loading(self, layer) -> None:
+        super().process_after_loading(layer)  # the bfloat16 copy, from the blocks
         if self.choices.packed_weights_only:
             drop_float_weight(layer)
+
+    def float_weight(self, layer) -> torch.Tensor:
+        return layer.packed.dequantize()
 
     def apply(self, layer, x):
         packed: PackedWeight = layer.packed
         if self.choices.packed_kernels and x.shape[0] <= PACKED_MAX_ROWS:
             y = ops.packed_linear(x, packed, self.choices.int8_activations)
+        elif layer.weight_bf16 is not None:
+            return self.bf16_matmul(layer, x)
         elif layer.weight_t.numel() == 0:  # float copy dropped
             y = blas.packed_matmul(x, packed) if self.choices.blas_gemm else x @ packed.dequantize().t()
         else:

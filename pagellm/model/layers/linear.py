@@ -22,6 +22,7 @@ class Linear(nn.Module):
         self.quant_method: LinearMethod = UnquantizedLinearMethod()
         self.quant_method.create_weights(self, in_features, out_features, bias)
         self.packed: PackedWeight | None = None
+        self.weight_bf16: torch.Tensor | None = None  # [out, in], where the platform chose bf16 GEMMs
         self._packed_shards: dict[int, PackedWeight] = {}
 
     def configure(self, choices: OpChoices) -> None:
@@ -52,4 +53,8 @@ class Linear(nn.Module):
             self.quant_method.process_after_loading(self)  # frees the float copy at once when asked to
 
     def process_after_loading(self) -> None:
+        """After every tensor is in: a layer that stayed unquantized lets its method finish it (a layer
+        that switched to blocks was finished when they arrived)."""
         self._packed_shards = {}  # an incomplete set (some shard came as float only) stays unused
+        if self.packed is None:
+            self.quant_method.process_after_loading(self)

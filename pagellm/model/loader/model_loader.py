@@ -15,18 +15,20 @@ from pagellm.quant.linear_method import drop_float_weight
 
 
 def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device | None = None,
-              int8_activations: bool = False, packed_weights_only: bool = True) -> torch.nn.Module:
+              int8_activations: bool = False, packed_weights_only: bool = True,
+              auto_dtype: bool = False) -> torch.nn.Module:
     """Builds the architecture on the meta device, materialises it on `device`, streams the weights in and
     lets the platform choose each op's implementation.
 
     packed_weights_only: keep quantized matrices only in their GGUF block form where the platform's kernels
     read them (each float copy is freed as soon as its packed twin has arrived; the tied embedding's at the
-    end, its lookups then read rows of the packed LM head)."""
+    end, its lookups then read rows of the packed LM head). auto_dtype: `--dtype auto` was asked for, so
+    the platform may choose non-exact faster paths (bf16 many-row GEMMs)."""
     arch = cfg.architecture
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(MODEL_REGISTRY)})")
     device = device or platform.device
-    choices = platform.op_choices(dtype, int8_activations, packed_weights_only)
+    choices = platform.op_choices(dtype, int8_activations, packed_weights_only, auto=auto_dtype)
     with torch.device("meta"):
         model = MODEL_REGISTRY[arch](cfg)
     model = model.to_empty(device=device).to(dtype)
@@ -52,5 +54,7 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every parameter plus every packed copy."""
+    extra = [t for m in model.modules() for t in (getattr(m, "packed", None), getattr(m, "weight_bf16", None))
+             if t is not None]
     return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
+        t.nbytes for t in extra)

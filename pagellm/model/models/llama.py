@@ -148,14 +148,14 @@ class LlamaForCausalLM(nn.Module):
         missing = {n for n in params if n not in loaded}
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.process_after_loading()
         if self.config.tie_word_embeddings:
             if self.lm_head.packed is None:
                 self.lm_head.weight_t.copy_(self.embed_tokens.weight.t())
             else:  # logits read the packed copy; a transposed float32 one would only cost memory
                 self.lm_head.weight_t.data = torch.empty(0, 0)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.process_after_loading()
 
     def _add_packed(self, name: str, weight: PackedWeight, fused: dict) -> Linear | None:
         """Route a packed matrix to its Linear (as shard i of a fused one) and return that Linear; the
