@@ -298,25 +298,22 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> None:
-        running = self.scheduler.running
+        running, ctl = self.scheduler.running, self.spec_controller
         limit = self.args.speculative_disable_by_batch_size
-        if limit is not None and len(running) >= limit:
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        skip_limit = limit is not None and len(running) >= limit
+        if skip_limit or (ctl is not None and not ctl.wants_proposals(len(decoding))):
             for req in running:  # a draft proposer catches up on the skipped tokens next time
                 req.clear_spec()
-            return
-        ctl = self.spec_controller
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        if ctl is not None and not ctl.wants_proposals(len(decoding)):
-            for req in running:
-                req.clear_spec()
-            ctl.skip()
+            if ctl is not None and not skip_limit:
+                ctl.skip()
             return
         self.proposer.propose(running)
         if ctl is None:
             return
         ctl.retain({r.request_id for r in running})
         keep = ctl.plan({r.request_id: len(r.spec_token_ids) for r in decoding if r.spec_token_ids},
-                                         batch_rows=len(decoding))
+                        batch_rows=len(decoding))
         for req in decoding:
             k = keep.get(req.request_id, 0)
             if k == 0:

@@ -21,10 +21,9 @@ import torch
 
 from pagellm.platforms.base import OpChoices, Platform
 
-# /proc/cpuinfo flag -> the name we print; the order is the order `pagellm info` lists them.
-ISA_FLAGS = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
-             "avx512_bf16": "avx512_bf16", "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni",
-             "amx_tile": "amx_tile", "amx_bf16": "amx_bf16", "amx_int8": "amx_int8"}
+# The /proc/cpuinfo flags the platform reports, in the order `pagellm info` lists them.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
+             "amx_bf16", "amx_int8")
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
@@ -77,7 +76,7 @@ class CpuPlatform(Platform):
 
     def __init__(self):
         self.cpu_model, flags = _cpuinfo()
-        self.isa = [name for flag, name in ISA_FLAGS.items() if flag in flags]
+        self.isa = [flag for flag in ISA_FLAGS if flag in flags]
         self.num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
     # The switches are read at each decision (not cached), so a test or a user can turn them off per engine.
@@ -106,7 +105,8 @@ class CpuPlatform(Platform):
 
     @property
     def bf16_dot_products(self) -> bool:
-        """AVX-512 BF16 or AMX-BF16: torch's oneDNN bfloat16 GEMM runs 2-3x the float32 one here."""
+        """AVX-512 BF16 or AMX-BF16: torch's oneDNN bfloat16 GEMM runs 2-3x the float32 one on the model's
+        many-row products there (benchmarks/microbench_bf16_gemm.py)."""
         return "avx512_bf16" in self.isa or "amx_bf16" in self.isa
 
     def op_choices(self, dtype: torch.dtype, int8_activations: bool = False,

@@ -13,16 +13,16 @@ from torch import nn
 class CustomOp(nn.Module):
     def __init__(self):
         super().__init__()
-        self.impl = "native"
+        self.use("native")
 
     def use(self, impl: str) -> None:
-        """impl: "native" or a platform's name ("cpu"); an op without that implementation keeps native."""
+        """impl: "native" or a platform's name ("cpu"); an op without that implementation keeps native.
+        The method is looked up here, once, so a call costs one indirection."""
         self.impl = impl if hasattr(self, f"forward_{impl}") else "native"
+        self._impl_fn = getattr(self, f"forward_{self.impl}")
 
     def forward(self, *args, **kwargs):
-        if self.impl == "native":
-            return self.forward_native(*args, **kwargs)
-        return getattr(self, f"forward_{self.impl}")(*args, **kwargs)
+        return self._impl_fn(*args, **kwargs)
 
     def forward_native(self, *args, **kwargs):
         raise NotImplementedError

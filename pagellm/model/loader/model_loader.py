@@ -11,7 +11,6 @@ from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.loader import iter_weights
 from pagellm.model.models.llama import MODEL_REGISTRY
 from pagellm.platforms import Platform
-from pagellm.quant.linear_method import drop_float_weight
 
 
 def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device | None = None,
@@ -42,8 +41,7 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
         # Packed (GGUF block) copies only where the kernels will read them.
         model.load_weights(iter_weights(path, cfg, dtype, packed=choices.packed_kernels))
         if cfg.tie_word_embeddings and choices.packed_weights_only and model.lm_head.packed is not None:
-            emb = model.embed_tokens
-            drop_float_weight(model.lm_head)
+            emb = model.embed_tokens  # (the head's own float copy went in load_weights)
             emb.weight.data = torch.empty(0, emb.weight.shape[1], dtype=emb.weight.dtype)
             emb.tied_head = model.lm_head
     for m in model.modules():

@@ -1,0 +1,37 @@
+"""`--dtype auto` against `--dtype float32` on SmolLM2: chosen-token logprob differences while the greedy
+outputs agree, and float32's top-1 margin where they part (the figures behind tests/test_dtype_auto.py's
+bounds; the prompts are the test's).
+
+    .venv/bin/python benchmarks/dtype_auto_quality.py
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from pagellm import LLM, SamplingParams
+
+
+def main() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
+    prompts += ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
+    a = LLM(None, dtype="float32").generate(prompts, params, use_tqdm=False)
+    b = LLM(None, dtype="auto").generate(prompts, params, use_tqdm=False)
+    diffs, margins = [], []
+    for x, y in zip(a, b, strict=True):
+        for ta, tb, la, lb in zip(x.outputs[0].token_ids, y.outputs[0].token_ids, x.outputs[0].logprobs,
+                                  y.outputs[0].logprobs, strict=True):
+            if ta != tb:
+                top2 = sorted((v.logprob for v in la.values()), reverse=True)[:2]
+                margins.append(round(top2[0] - top2[1], 3))
+                break
+            diffs.append(abs(la[ta].logprob - lb[tb].logprob))
+    diffs.sort()
+    print(f"{len(diffs)} tokens while outputs agree: median {statistics.median(diffs):.3f}, "
+          f"p90 {diffs[int(0.9 * len(diffs))]:.3f}, max {diffs[-1]:.3f} nats")
+    print(f"{len(margins)} of {len(prompts)} sequences parted; float32 top-1 margins there: {margins}")
+
+
+if __name__ == "__main__":
+    main()
