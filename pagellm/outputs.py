@@ -39,3 +39,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: dict | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
+    # context), the token's own logprob plus the top-N.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

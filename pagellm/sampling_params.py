@@ -7,6 +7,34 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `structured_outputs`): exactly one of json (a JSON schema, as a
+    dict or its JSON text), json_object (any JSON object), regex, choice (one of these strings) or grammar
+    (EBNF/GBNF or Lark). Compiled by pagellm/structured_output; plain data here."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None  # JSON only: the regex whitespace between tokens must match
+
+    def __post_init__(self):
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice or "
+                             f"grammar, got {given or 'none'}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -30,6 +58,12 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int | None = None  # beams kept per step; None -> n
     length_penalty: float = 1.0  # final score = sum logprob / generated_len ** length_penalty
+    # The output must match this schema/regex/choice/grammar (pagellm/structured_output).
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled
+    bad_words: list[str] | None = None  # never generate these words (each as its token sequence)
+    prompt_logprobs: int | None = None  # logprob of every prompt token plus its top-N
+    truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -84,6 +118,17 @@ class SamplingParams:
                 bad("n", f"<= beam_width ({self.beam_width}) with beam search", self.n)
             if self.max_tokens is None:
                 bad("max_tokens", "set (an integer >= 1) with beam search", self.max_tokens)
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", "an integer in [0, 20]", self.prompt_logprobs)
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "a non-empty list of non-negative token ids", self.allowed_token_ids)
+        if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
+            bad("bad_words", "a list of non-empty strings", self.bad_words)
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            bad("truncate_prompt_tokens", "an integer >= 1", self.truncate_prompt_tokens)
         for tok, bias in (self.logit_bias or {}).items():
             if not -100.0 <= float(bias) <= 100.0:
                 bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)
