@@ -201,6 +201,8 @@ class EngineArgs:
     # request's drafts bring, and drops the drafts that would lower tokens per second
     # (pagellm/spec_decode/adaptive.py). False drafts whatever the proposer finds, as before.
     speculative_adaptive: bool = True
+    # /v1/embeddings and LLM.embed: the final hidden state of the last prompt token, or the mean over all.
+    embedding_pooling: str = "last"
 
     def __post_init__(self):
         if self.dtype not in COMPUTE_DTYPES:
@@ -223,6 +225,8 @@ class EngineArgs:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.embedding_pooling not in ("last", "mean"):
+            raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
         try:
             self.swap_space = parse_bytes(self.swap_space) if self.swap_space not in (0, "0") else 0
         except ValueError as e:
@@ -300,6 +304,9 @@ class EngineArgs:
                             "from float32 by ~0.03 nats (median; rare tokens up to ~0.7), so greedy output can "
                             "part where the top two tokens are close")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        g.add_argument("--embedding-pooling", default=d.embedding_pooling, choices=["last", "mean"],
+                       help="embeddings: the final (normed) hidden state of the last prompt token (default) or "
+                            "the mean over all prompt tokens, L2-normalized")
 
     @property
     def kv_dtype_name(self) -> str:

@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
     @property
@@ -39,6 +39,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: dict | None = None
+    # Set when this request's own parameters made its step fail (every output then has finish_reason
+    # "error"): what failed. The other requests of that step go on.
+    error: str | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
     # context), the token's own logprob plus the top-N.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -18,11 +18,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its own parameters made the step fail for it (vLLM's FinishReason.ERROR)
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -52,6 +53,11 @@ class Request:
         self.spec_draft_probs: Any = None
         # Per-request state that belongs to other layers (torch generator, detokenizer); opaque here.
         self.sampling_state: Any = None
+        # Structured output: the sequence's grammar matcher (pagellm/structured_output), made on first use.
+        self.grammar: Any = None
+        # With params.prompt_logprobs: one entry per prompt position 0..P-2 (scoring prompt token p + 1),
+        # appended by the model runner as prefill chunks run (pagellm/sample/prompt_logprobs.py).
+        self.prompt_logprob_rows: list = []
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +90,7 @@ class Request:
                         self.cache_salt)
         child.output_token_ids = self.output_token_ids + [token_id]
         child.all_token_ids = self.all_token_ids + [token_id]
+        child.grammar = self.grammar.fork() if self.grammar is not None else None  # it then accepts token_id
         return child
 
     def clear_spec(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_SEED_MIN, _SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # never generate these words (each as its token sequence)
     prompt_logprobs: int | None = None  # logprob of every prompt token plus its top-N
     truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens
+    # bad_words as token sequences, filled by the engine's tokenizer at admission (vLLM's
+    # update_from_tokenizer); the sampler reads these, not the words.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -103,8 +107,10 @@ class SamplingParams:
             bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "an integer in [0, 20]", self.logprobs)
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "an integer", self.seed)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not _SEED_MIN <= self.seed <= _SEED_MAX - (self.n - 1)):
+            # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; sample i of n is seeded seed + i.
+            bad("seed", f"an integer in [{_SEED_MIN}, {_SEED_MAX - (self.n - 1)}]", self.seed)
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "a list of non-empty strings", self.stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -127,8 +133,15 @@ class SamplingParams:
         if self.bad_words is not None and any(not isinstance(w, str) or not w for w in self.bad_words):
             bad("bad_words", "a list of non-empty strings", self.bad_words)
         if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
-                                                        or self.truncate_prompt_tokens < 1):
-            bad("truncate_prompt_tokens", "an integer >= 1", self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens < -1
+                                                        or self.truncate_prompt_tokens == 0):
+            # -1 (vLLM): keep as many of the last prompt tokens as the context leaves room for.
+            bad("truncate_prompt_tokens", "-1 or an integer >= 1", self.truncate_prompt_tokens)
+        if self.use_beam_search and (self.allowed_token_ids is not None or self.bad_words):
+            # beam_candidates ranks the raw logprobs: a mask would silently not apply.
+            bad("allowed_token_ids" if self.allowed_token_ids is not None else "bad_words",
+                "unset with use_beam_search (beam search does not apply it)",
+                self.allowed_token_ids if self.allowed_token_ids is not None else self.bad_words)
         for tok, bias in (self.logit_bias or {}).items():
             if not -100.0 <= float(bias) <= 100.0:
                 bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)

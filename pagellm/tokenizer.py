@@ -7,6 +7,7 @@ tokenizer is rebuilt the way llama.cpp tokenizes: byte-level BPE with the split 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -14,12 +15,15 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 logger = logging.getLogger(__name__)
+# Longer texts are encoded through encode_batch, which releases the GIL (see Tokenizer.encode).
+_GIL_FREE_ENCODE_CHARS = 4096
 
 # llama.cpp token_type values
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -226,6 +230,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            # tokenizers' encode holds the GIL throughout (~3 ms per 1k tokens), encode_batch releases it:
+            # a long prompt encoded in a worker thread must not stall the server's event loop.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -241,17 +249,45 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs) -> str:
-        """Render messages to a prompt string; extra kwargs (e.g. documents) reach the template."""
+    def chat_template_source(self, tools: bool = False, override: str | None = None) -> str:
+        """`override` (--chat-template) if given, else the model's template ("tool_use" if tools and it has one)."""
+        if override:
+            return override
         if not self._templates:
             raise ValueError("this model has no chat template; send a plain prompt (completions) instead "
-                             "of chat messages")
+                             "of chat messages, or start the server with --chat-template FILE")
         name = "tool_use" if tools and "tool_use" in self._templates else "default"
-        source = self._templates.get(name) or self.chat_template
-        return _compile(source).render(
-            messages=[_flatten_content(m) for m in messages], tools=tools,
-            add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs)
+        return self._templates.get(name) or self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            **kwargs) -> str:
+        """Render messages to a prompt string; extra kwargs (chat_template_kwargs) reach the template.
+        continue_final_message leaves the last message open for generation to continue it (as transformers)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: one "
+                             "continues the last message, the other opens a new one")
+        source = self.chat_template_source(bool(tools), chat_template)
+        flat = [flatten_content(m) for m in messages]
+        text = _compile(source).render(
+            messages=flat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens, **kwargs})
+        if continue_final_message:
+            text = _cut_after_final_message(text, flat)
+        return text
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    final = (messages[-1].get("content") or "") if messages else ""
+    if not final.strip():
+        raise ValueError("continue_final_message needs a final message with content to continue")
+    at = text.rfind(final.strip())
+    if at == -1:
+        raise ValueError("continue_final_message: the chat template does not render the final message's "
+                         "content verbatim, so there is no place to continue it from")
+    kept = text[at:at + len(final.lstrip())] == final.lstrip()  # the template kept its trailing whitespace
+    return text[:at + len(final.lstrip() if kept else final.strip())]
 
 
 def _hf_template(path: str, cfg: dict) -> str | dict[str, str] | None:
@@ -267,7 +303,8 @@ def _hf_template(path: str, cfg: dict) -> str | dict[str, str] | None:
     return template
 
 
-def _flatten_content(message: dict) -> dict:
+def flatten_content(message: dict) -> dict:
+    """A message whose content is a list of text parts, with the parts joined (templates expect a string)."""
     content = message.get("content")
     if not isinstance(content, list):
         return message
@@ -319,6 +356,13 @@ def _compile(source: str) -> jinja2.Template:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         template = _COMPILED[source] = env.from_string(source)
     return template
+
+
+@functools.cache
+def template_variables(source: str) -> frozenset[str]:
+    """The names a template reads from its context (e.g. whether it renders `tools` at all)."""
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 # -- streaming -------------------------------------------------------------------------------------------

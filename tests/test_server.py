@@ -54,12 +54,13 @@ class Server:
             return f.read()
 
     def metrics(self) -> dict[str, float]:
-        """Sample name (with labels other than model_name) -> value."""
+        """Sample name (with labels other than model_name and engine, which every series has) -> value."""
         text = httpx.get(self.url + "/metrics").text
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                  if k not in ("model_name", "engine"))
                 out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
         return out
 

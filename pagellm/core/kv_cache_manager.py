@@ -64,6 +64,10 @@ class KVCacheManager:
         The last token is always left to compute, so its logits exist."""
         if not self.enable_caching or req.request_id in self.req_blocks or req.request_id in self.req_host_blocks:
             return [], 0
+        if req.params.prompt_logprobs is not None and not req.output_token_ids:
+            # Prompt logprobs need the logits of every prompt position, which cached KV does not keep: such
+            # a request recomputes its prompt (and still publishes its blocks for others).
+            return [], 0
         hashes = self._hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hit = []

@@ -53,6 +53,8 @@ class SchedulerStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0  # request-steps that verified drafts
+    num_accepted_per_pos: list[int] = field(default_factory=list)  # [j]: drafts accepted at position j
+    num_batched_tokens: int = 0  # tokens fed to the model over all steps (per step: the difference)
 
 
 class Scheduler:
@@ -187,6 +189,7 @@ class Scheduler:
             budget -= num_new
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        self.stats.num_batched_tokens += out.num_batched_tokens
         out.block_copies = self.kv_cache.take_copies()
         return out
 
@@ -215,6 +218,10 @@ class Scheduler:
             tokens = [tokens] if isinstance(tokens, int) else tokens or []
             rejected = len(s.spec_token_ids) - max(len(tokens) - 1, 0)
             self.stats.num_accepted_tokens += len(s.spec_token_ids) - rejected
+            per_pos = self.stats.num_accepted_per_pos
+            per_pos.extend([0] * (len(s.spec_token_ids) - len(per_pos)))
+            for j in range(len(s.spec_token_ids) - rejected):
+                per_pos[j] += 1
             # Rejected drafts' KV stays in its slots, beyond num_computed_tokens: it is overwritten, never read.
             req.num_computed_tokens += s.num_new_tokens - rejected
             self.kv_cache.cache_full_blocks(req)

@@ -18,7 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pagellm.engine.embedding import EngineJobs
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.request_stats import FinishedRequest, finished_request
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
@@ -38,12 +40,17 @@ class RequestTimeoutError(RuntimeError):
     """A request ran past its deadline and was aborted."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request alone failed in the engine step (its own parameters); the others went on."""
+
+
 class RequestObserver(Protocol):
     """What the metrics layer wants to hear about; all calls come from the event loop thread."""
 
     def observe_first_token(self, seconds: float) -> None: ...
     def observe_inter_token(self, seconds: float) -> None: ...
-    def observe_finished(self, e2e: float, queue_time: float | None) -> None: ...
+    def observe_finished(self, request: FinishedRequest) -> None: ...
+    def observe_iteration(self, num_tokens: int) -> None: ...
 
 
 @dataclass
@@ -53,6 +60,7 @@ class EngineSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_swapped: int = 0  # requests whose KV blocks are in host memory now
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
@@ -62,6 +70,7 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
     prefix_queries: int = 0
     prefix_hits: int = 0
 
@@ -82,6 +91,7 @@ class _StepResult:
     scheduled: dict[str, float]  # request id -> time of its first scheduling
     end_time: float
     snapshot: EngineSnapshot
+    num_tokens: int = 0  # fed to the model in this step
 
 
 class RequestStream:
@@ -101,7 +111,9 @@ class RequestStream:
         self.finished = False
         self.last_output: RequestOutput | None = None
         self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.max_tokens: int | None = None
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -141,6 +153,7 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # guards _adds / _aborts (written by the loop, read by the worker)
         self._adds: list[_Add] = []
         self._aborts: set[str] = set()
+        self.jobs = EngineJobs()  # e.g. embeddings: run on the engine between steps (engine/embedding.py)
         self._streams: dict[str, RequestStream] = {}
         self._unscheduled: set[str] = set()  # worker thread only
         self._wakeup: asyncio.Event | None = None
@@ -186,6 +199,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         now = time.time()
         stream = RequestStream(self, rid, params.n, now, now + timeout if timeout else None)
+        stream.max_tokens = params.max_tokens
         self._streams[rid] = stream
         with self._lock:
             self._adds.append(_Add(rid, prompt, params, now, cache_salt))
@@ -202,6 +216,14 @@ class AsyncLLMEngine:
         stream = await self.add_request(prompt, params, request_id, timeout)
         async for out in stream:
             yield out
+
+    async def run_job(self, job: Callable[[LLMEngine], object]):
+        """job(engine)'s result, run in the worker thread between two steps (see EngineJobs)."""
+        if not self._accepting or not self.is_running:
+            raise EngineStoppedError("the server is shutting down and accepts no new requests")
+        fut = self.jobs.submit(job)
+        self._wakeup.set()
+        return await fut
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
@@ -239,6 +261,7 @@ class AsyncLLMEngine:
 
     async def stop(self) -> None:
         await self.drain(0.0)
+        self.jobs.fail_all(EngineStoppedError("the server is shutting down"))
         self._stopping = True
         if self._task is not None:
             self._wakeup.set()
@@ -246,7 +269,7 @@ class AsyncLLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def _has_work(self) -> bool:
-        return bool(self._adds or self._aborts or self.engine.has_unfinished_requests())
+        return bool(self._adds or self._aborts or self.jobs or self.engine.has_unfinished_requests())
 
     async def _loop(self) -> None:
         while True:
@@ -303,7 +326,9 @@ class AsyncLLMEngine:
         if aborts:
             eng.abort_request(list(aborts))
             self._unscheduled -= aborts
+        self.jobs.run(eng)
         start = time.time()
+        batched_before = eng.scheduler.stats.num_batched_tokens
         outputs = eng.step() if eng.has_unfinished_requests() else []
         end = time.time()
         scheduled = {}
@@ -312,19 +337,22 @@ class AsyncLLMEngine:
             if state is None or any(s.request.status is not RequestStatus.WAITING for s in state.seqs):
                 scheduled[rid] = start
                 self._unscheduled.discard(rid)
-        return _StepResult(added, outputs, scheduled, end, self._take_snapshot())
+        return _StepResult(added, outputs, scheduled, end, self._take_snapshot(),
+                           eng.scheduler.stats.num_batched_tokens - batched_before)
 
     def _take_snapshot(self) -> EngineSnapshot:
         eng = self.engine
         return EngineSnapshot(
             num_running=eng.scheduler.num_running, num_waiting=eng.scheduler.num_waiting,
-            kv_cache_usage=eng.kv_cache.usage(), prompt_tokens=eng.stats.prompt_tokens,
+            kv_cache_usage=eng.kv_cache.usage(), num_swapped=len(eng.kv_cache.req_host_blocks),
+            prompt_tokens=eng.stats.prompt_tokens,
             generation_tokens=eng.stats.generation_tokens, finished=dict(eng.stats.finished),
             num_preemptions=eng.scheduler.stats.num_preemptions,
             num_swapped_out=eng.scheduler.stats.num_swapped_out, num_swapped_in=eng.scheduler.stats.num_swapped_in,
             spec_draft_tokens=eng.scheduler.stats.num_draft_tokens,
             spec_accepted_tokens=eng.scheduler.stats.num_accepted_tokens,
             spec_steps=eng.scheduler.stats.num_spec_steps,
+            spec_accepted_per_pos=list(eng.scheduler.stats.num_accepted_per_pos),
             prefix_queries=eng.kv_cache.prefix_queries, prefix_hits=eng.kv_cache.prefix_hits)
 
     def _dispatch(self, res: _StepResult) -> None:
@@ -344,21 +372,26 @@ class AsyncLLMEngine:
             if rid in self._streams:
                 self._streams[rid].scheduled_time = t
         obs, now = self.observer, res.end_time
+        if obs is not None and res.num_tokens:
+            obs.observe_iteration(res.num_tokens)
         for out in res.outputs:
             stream = self._streams.get(out.request_id)
             if stream is None or stream.finished:
                 continue
-            if obs is not None:
-                if stream.last_token_time is None:
+            if stream.last_token_time is None:
+                stream.first_token_time = now
+                if obs is not None:
                     obs.observe_first_token(now - stream.arrival_time)
-                else:
-                    obs.observe_inter_token(now - stream.last_token_time)
+            elif obs is not None:
+                obs.observe_inter_token(now - stream.last_token_time)
             stream.last_token_time = now
             stream.last_output = out
+            if out.error is not None:  # this stream's error only: the step went on for the others
+                stream.finished = True
+                stream.queue.put_nowait(RequestFailedError(out.error))
+                continue
             stream.queue.put_nowait(out)
             if out.finished:
                 stream.finished = True
                 if obs is not None:
-                    queue_time = (stream.scheduled_time - stream.arrival_time
-                                  if stream.scheduled_time is not None else None)
-                    obs.observe_finished(now - stream.arrival_time, queue_time)
+                    obs.observe_finished(finished_request(stream, out, now))

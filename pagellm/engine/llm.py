@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from pagellm.config import EngineArgs
+from pagellm.engine.embedding import embed
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -78,6 +79,14 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None,
+              normalize: bool = True) -> list[list[float]]:
+        """One embedding per prompt: its final hidden state pooled "last" or "mean" (default: the
+        engine's embedding_pooling), L2-normalized (pagellm/engine/embedding.py)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [embed(self.engine, p, pooling, normalize)[0] for p in prompts]
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

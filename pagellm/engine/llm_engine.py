@@ -12,7 +12,9 @@ import torch
 from pagellm.config import EngineArgs, ModelConfig, parse_bytes
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
+from pagellm.engine.admission import prepare_request
 from pagellm.engine.beam_search import BeamSearchGroup
+from pagellm.engine.isolation import error_output, sample_isolated
 from pagellm.engine.output_processor import RequestState, SequenceState
 from pagellm.model.attention import get_attention_backend
 from pagellm.model.layers.custom_op import CustomOp
@@ -27,6 +29,7 @@ from pagellm.sample import Sampler, StepSampler
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.adaptive import SpeculationController
 from pagellm.spec_decode.proposers import DraftModelProposer, NgramProposer
+from pagellm.structured_output import StructuredOutputManager
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagellm")
@@ -113,7 +116,9 @@ class LLMEngine:
         backend = get_attention_backend(args.attention_backend, platform, kv_dtype, dtype)
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device, backend, platform,
                                   num_host_blocks=num_host_blocks)
-        self.step_sampler = StepSampler(Sampler(self.eos_token_ids), self.device)
+        # Grammars for structured output; xgrammar is loaded on the first structured request.
+        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.step_sampler = StepSampler(Sampler(self.eos_token_ids), self.device, self.structured_output)
         self.proposer = build_proposer(args, self.max_model_len, self.runner, self.step_sampler.sampler,
                                        self.model_config, platform, dtype, self.device)
         # The draft model's own cost is not modelled yet: adaptive drafting is for the n-gram proposer.
@@ -147,6 +152,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_text, prompt_ids, params = prepare_request(prompt_text, prompt_ids, params, self.tokenizer,
+                                                          self.model_config.vocab_size, self.max_model_len)
         self._validate_prompt(prompt_ids, params)
         arrival_time = arrival_time or time.time()
         if params.use_beam_search:
@@ -212,7 +219,10 @@ class LLMEngine:
                 self._seq_to_request[child.request_id] = state.request_id
         return list(ready.values())
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):  # vLLM's TokensPrompt: ids tokenized elsewhere, the text kept for echo
+            text, (_, ids) = prompt.get("prompt"), self._tokenize(prompt["prompt_token_ids"])
+            return text, ids
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool)
@@ -235,6 +245,7 @@ class LLMEngine:
         for tok in (params.logit_bias or {}):
             if not 0 <= int(tok) < vocab:
                 raise ValueError(f"logit_bias token id {tok} is out of range [0, {vocab})")
+        self.structured_output.validate(params)  # compiles (a cache hit when the server compiled it)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
@@ -261,7 +272,9 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched_out = self.scheduler.schedule()
-        sampled = self.step_sampler(*self.runner.forward_logits(sched_out))
+        # One request's parameters failing its sampling fails that request alone (engine/isolation.py).
+        sampled, failed = sample_isolated(self.step_sampler, *self.runner.forward_logits(sched_out))
+        errored = self._fail(failed) if failed else []  # finished before update, which then skips them
         before = {s.request.request_id: s.request.num_output_tokens for s in sched_out.scheduled}
         progressed = self.scheduler.update(
             sched_out, {rid: [t.token_id for t in tok.tokens] for rid, tok in sampled.items()
@@ -288,7 +301,7 @@ class LLMEngine:
             if state.first_token_time is None:
                 state.first_token_time = now
             touched[rid] = state
-        outputs = []
+        outputs = errored
         for rid, state in touched.items():
             outputs.append(state.output())
             if state.finished:
@@ -309,6 +322,7 @@ class LLMEngine:
                 ctl.skip()
             return
         self.proposer.propose(running)
+        self.structured_output.trim_drafts(running)  # no verification rows past what a grammar rejects
         if ctl is None:
             return
         ctl.retain({r.request_id for r in running})
@@ -341,6 +355,24 @@ class LLMEngine:
             self._count_finished(outs[0].finish_reason if outs else "abort")
         else:
             self._count_finished(state.seqs[0].request.finish_reason or "abort")
+
+    def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
+        """Finish each request a failed sequence belongs to (all its sequences: they share its
+        parameters) with finish_reason "error"; its KV blocks are freed."""
+        outputs = []
+        for seq_id, message in failed.items():
+            rid = self._seq_to_request.get(seq_id)
+            if rid is None:  # a sibling already failed it
+                continue
+            state = self.requests.pop(rid)
+            for r in state.live_requests:
+                self._seq_to_request.pop(r.request_id, None)
+                if not r.is_finished:
+                    self.scheduler.finish_request(r, RequestStatus.FINISHED_ERROR)
+            n = state.beam.params.n if state.beam is not None else len(state.seqs)
+            outputs.append(error_output(state, message, n))
+            self._count_finished(RequestStatus.FINISHED_ERROR.value)
+        return outputs
 
     def _count_finished(self, reason: str) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

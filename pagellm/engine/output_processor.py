@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagellm.engine.beam_search import BeamSearchGroup
+from pagellm.engine.prompt_logprobs import PromptLogprobsState
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -81,6 +82,9 @@ class RequestState:
         self.first_token_time: float | None = None
         self.beam = beam
         self.tokenizer = tokenizer
+        source = seqs[0].request if seqs else beam.beams[0][0]
+        self.prompt_logprobs = None if source.params.prompt_logprobs is None else \
+            PromptLogprobsState(source, tokenizer or seqs[0].tokenizer)
 
     @property
     def live_requests(self) -> list[Request]:
@@ -97,9 +101,13 @@ class RequestState:
     def output(self) -> RequestOutput:
         if self.beam is not None:
             return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self._beam_outputs(),
-                                 self.finished)
+                                 self.finished, prompt_logprobs=self._prompt_logprobs())
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [s.output() for s in self.seqs], self.finished)
+                             [s.output() for s in self.seqs], self.finished,
+                             prompt_logprobs=self._prompt_logprobs())
+
+    def _prompt_logprobs(self):
+        return None if self.prompt_logprobs is None else self.prompt_logprobs.output()
 
     def _beam_outputs(self) -> list[CompletionOutput]:
         if not self.beam.done:

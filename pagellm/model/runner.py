@@ -12,6 +12,11 @@ import torch
 from pagellm.core.kv_cache_manager import BlockCopies
 from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
+from pagellm.request import Request
+from pagellm.sample.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
+
+# Prompt positions whose logits are materialized at once: 128 x 49,152 float32 logits is 24 MiB.
+_PROMPT_LOGITS_ROWS = 128
 
 
 class ModelRunner:
@@ -59,19 +64,29 @@ class ModelRunner:
         return tensor(ids), pos, meta
 
     @torch.inference_mode()
-    def forward_logits(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """One forward over the step's batch; logits [rows, vocab] for the requests that sample, in
-        batch order, 1 + len(spec_token_ids) rows each (the positions that score drafts, then the next)."""
+    def forward_hidden(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
+        """One forward over the step's batch (block copies first): final normed hidden states [T, hidden],
+        the rows of each request contiguous, in batch order (meta.query_start_loc)."""
         if out.block_copies:
             self._copy_blocks(out.block_copies)
-        if out.is_empty:
-            return [], torch.empty(0)
         input_ids, positions, meta = self._prepare(out)
         compiled = self.compiled_decoder
         if compiled is not None and compiled.serves(input_ids.shape[0], meta.query_start_loc):
-            hidden = compiled.forward(input_ids, positions, self.kv_caches, meta)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            return compiled.forward(input_ids, positions, self.kv_caches, meta), meta
+        return self.model(input_ids, positions, self.kv_caches, meta, self.backend), meta
+
+    @torch.inference_mode()
+    def forward_logits(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """One forward over the step's batch; logits [rows, vocab] for the requests that sample, in
+        batch order, 1 + len(spec_token_ids) rows each (the positions that score drafts, then the next).
+        Requests asking for prompt logprobs get them appended to `request.prompt_logprob_rows`."""
+        if out.is_empty:
+            if out.block_copies:
+                self._copy_blocks(out.block_copies)
+            return [], torch.empty(0)
+        hidden, meta = self.forward_hidden(out)
+        if any(_wants_prompt_logprobs(s.request) for s in out.scheduled):
+            self._prompt_logprobs(out, hidden, meta)
         sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.samples]
         rows = [r for i, s in sampling
                 for r in range(meta.query_start_loc[i + 1] - 1 - len(s.spec_token_ids), meta.query_start_loc[i + 1])]
@@ -79,6 +94,43 @@ class ModelRunner:
             return [], torch.empty(0)
         hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
         return [s for _, s in sampling], self.model.compute_logits(hidden)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Logits of this chunk's prompt positions, in the same forward as the prefill. Position p scores
+        prompt token p + 1; the last prompt position scores the first output token (the sampler's row).
+        Rows already computed are skipped, so a request recomputed after preemption never gets them twice;
+        once a request has output tokens its rows are complete (forks and beams start past the prompt)."""
+        wanted: list[tuple[Request, int, int]] = []  # (request, first position, end position)
+        rows: list[int] = []
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            if not _wants_prompt_logprobs(req) or req.output_token_ids:
+                continue
+            start = req.num_computed_tokens
+            first = len(req.prompt_logprob_rows)
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if first < start or first >= end:  # nothing new, or KV came from elsewhere (no logits for it)
+                continue
+            wanted.append((req, first, end))
+            rows.extend(range(meta.query_start_loc[i] + first - start, meta.query_start_loc[i] + end - start))
+        if not rows:
+            return
+        index = torch.tensor(rows, device=self.device)
+        next_ids = torch.tensor([t for req, first, end in wanted for t in req.prompt_token_ids[first + 1:end + 1]],
+                                device=self.device)
+        top_n = [req.params.prompt_logprobs for req, _, _ in wanted]
+        results: list[PromptLogprobRow] = []
+        k = max(top_n)
+        for lo in range(0, len(rows), _PROMPT_LOGITS_ROWS):  # bounds the [rows, vocab] float32 buffers
+            sl = slice(lo, lo + _PROMPT_LOGITS_ROWS)
+            logits = self.model.compute_logits(hidden.index_select(0, index[sl]))
+            results.extend(prompt_logprob_rows(logits, next_ids[sl], k))
+        pos = 0
+        for (req, first, end), n in zip(wanted, top_n, strict=True):
+            req.prompt_logprob_rows.extend(
+                r if n == k else r._replace(top_ids=r.top_ids[:n], top_logprobs=r.top_logprobs[:n])
+                for r in results[pos:pos + end - first])
+            pos += end - first
 
     def _copy_blocks(self, copies: BlockCopies) -> None:
         """Swap out, swap in, then copy-on-write, all before the forward writes any new KV."""
@@ -95,3 +147,8 @@ class ModelRunner:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*copies.cow, strict=True))
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
+
+
+def _wants_prompt_logprobs(req) -> bool:
+    # A draft model's runner sees its own sequence objects, never the user's Request: no prompt logprobs.
+    return isinstance(req, Request) and req.params.prompt_logprobs is not None

@@ -7,6 +7,8 @@ import torch
 from pagellm.sample.logprobs import log_softmax
 from pagellm.sampling_params import SamplingParams
 
+_NEG_INF = float("-inf")
+
 
 def beams_to_keep(params: SamplingParams, num_eos: int) -> int:
     """Candidates kept per step: enough that k beams survive even if some candidates end on EOS."""
@@ -18,4 +20,6 @@ def beam_candidates(logits: torch.Tensor, params: list[SamplingParams], num_eos:
     logprobs = log_softmax(logits)
     n = max(beams_to_keep(p, num_eos) for p in params)
     values, ids = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)
-    return [list(zip(ids[i].tolist(), values[i].tolist(), strict=True)) for i in range(len(params))]
+    # A masked token (a grammar's, -inf) is no candidate: a beam must never continue with it.
+    return [[(t, v) for t, v in zip(ids[i].tolist(), values[i].tolist(), strict=True) if v != _NEG_INF]
+            for i in range(len(params))]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.sample.logprobs import log_softmax
+from pagellm.sample.token_masks import apply_token_masks, has_masks
 from pagellm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -80,6 +81,8 @@ class Sampler:
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """fp32 copy of `logits` after logit_bias, min_tokens and penalties; the input is left untouched."""
         x = logits.to(torch.float32, copy=True)
+        if any(has_masks(r.params) for r in rows):
+            apply_token_masks(x, rows)  # allowed_token_ids, bad_words: -inf first, as vLLM
         _apply_logit_bias(x, rows)
         _apply_min_tokens(x, rows, self.eos_token_ids)
         _apply_penalties(x, rows)
@@ -87,7 +90,8 @@ class Sampler:
 
     def _needs_processing(self, row: SamplingRow) -> bool:
         p = row.params
-        return bool(p.logit_bias) or p.has_penalties or bool(_min_tokens_ids(row, self.eos_token_ids))
+        return (bool(p.logit_bias) or p.has_penalties or has_masks(p)
+                or bool(_min_tokens_ids(row, self.eos_token_ids)))
 
 
 def _min_tokens_ids(row: SamplingRow, eos_token_ids: list[int]) -> list[int]:

@@ -16,6 +16,7 @@ from pagellm.sample.beam import beam_candidates
 from pagellm.sample.logprobs import log_softmax
 from pagellm.sample.rejection import verify, verify_greedy
 from pagellm.sample.sampler import Sampler, SamplingRow, sampling_probs
+from pagellm.structured_output import StructuredOutputManager, apply_grammar_masks
 
 
 @dataclass
@@ -32,15 +33,19 @@ class SampledToken:
 
 
 class StepSampler:
-    def __init__(self, sampler: Sampler, device: torch.device):
+    def __init__(self, sampler: Sampler, device: torch.device,
+                 structured_output: StructuredOutputManager | None = None):
         self.sampler = sampler
         self.device = device  # where per-request seeded generators live (the logits' device)
+        self.structured_output = structured_output
 
     @torch.inference_mode()
     def __call__(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
         """A token for each scheduled request (those whose chunk reached its last known token)."""
         if not scheduled:
             return {}
+        if self.structured_output is not None:  # grammars mask their rows before any other processing
+            apply_grammar_masks(scheduled, logits, self.structured_output.new_state)
         sampled = {}
         if any(s.spec_token_ids for s in scheduled):
             sampled.update(self._verify(scheduled, logits))

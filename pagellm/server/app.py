@@ -1,35 +1,48 @@
-"""The FastAPI app: OpenAI routes under /v1 (behind the API key), plus vLLM's /health, /metrics,
-/tokenize and /detokenize."""
+"""The FastAPI app: OpenAI routes under /v1 (behind the API key), plus vLLM's /health, /ping, /metrics,
+/tokenize, /detokenize, /version, /invocations and /tokenizer_info; /openapi.json and /docs describe them."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from pagellm import __version__
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from pagellm.server.common import ServerContext
 from pagellm.server.errors import APIError, install_error_handlers
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.protocol_responses import ResponsesRequest
+from pagellm.server.request_id import RequestIdHeaderMiddleware
+from pagellm.server.routes_misc import invocations_router, tokenizer_info_router, version_router
 from pagellm.server.serving_chat import create_chat_completion, render_chat
+from pagellm.server.serving_chat_tools import ChatSettings
 from pagellm.server.serving_completions import create_completion
+from pagellm.server.serving_embeddings import EmbeddingRequest, create_embedding
+from pagellm.server.serving_responses import ResponseStore, create_response, delete_response, retrieve_response
 
 
 def _ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
-def _check_api_key(request: Request) -> None:
+# Declared through HTTPBearer so that /openapi.json (and /docs' Authorize button) know the scheme; the check
+# itself stays ours, to answer with OpenAI's error object.
+_bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
+
+
+def _check_api_key(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
     key = _ctx(request).api_key
     if key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+    token = credentials.credentials.strip() if credentials is not None else None
+    if token is None or not secrets.compare_digest(token.encode(), key.encode()):
         raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
 
@@ -57,7 +70,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return await create_chat_completion(body, request, _ctx(request))
 
 
+@v1.post("/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request):
+    return await create_embedding(body, request, _ctx(request))
+
+
+@v1.post("/responses")
+async def responses(body: ResponsesRequest, request: Request):
+    return await create_response(body, request, _ctx(request))
+
+
+@v1.get("/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    return retrieve_response(request, response_id)
+
+
+@v1.delete("/responses/{response_id}")
+async def remove_response(response_id: str, request: Request):
+    return delete_response(request, response_id)
+
+
 @misc.get("/health")
+@misc.get("/ping")  # vLLM's SageMaker health check, GET and POST
+@misc.post("/ping")
 async def health(request: Request):
     if not _ctx(request).engine.is_running:
         raise APIError(503, "the engine loop is not running", code="engine_dead")
@@ -76,10 +111,12 @@ async def tokenize(body: TokenizeRequest, request: Request):
     tok = ctx.engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of prompt or messages", param="prompt")
+    # Off the event loop, as for generation: a long prompt must not stall other clients.
     if body.messages is not None:
-        ids = render_chat(ctx, body.messages, body.add_generation_prompt, bool(body.add_special_tokens))
+        ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt,
+                                      bool(body.add_special_tokens))
     else:
-        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        ids = await asyncio.to_thread(tok.encode, body.prompt, add_special_tokens=body.add_special_tokens is not False)
     strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -96,11 +133,14 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 
 
 def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
-              request_timeout: float | None = None) -> FastAPI:
-    """The app owns the engine loop: started and stopped by its lifespan."""
-    metrics = EngineMetrics(engine, model_names[0])
+              request_timeout: float | None = None, *, enable_request_id_headers: bool = False,
+              root_path: str = "", vllm_metric_names: bool = False, enable_tokenizer_info_endpoint: bool = False,
+              disable_fastapi_docs: bool = False, chat: ChatSettings | None = None) -> FastAPI:
+    """The app owns the engine loop: started and stopped by its lifespan. root_path: the path prefix a
+    proxy serves this app under (it shows in /openapi.json's servers; routes stay at /)."""
+    metrics = EngineMetrics(engine, model_names[0], vllm_names=vllm_metric_names)
     ctx = ServerContext(engine, metrics, list(model_names), api_key or None, request_timeout or None,
-                        created=int(time.time()))
+                        created=int(time.time()), chat=chat or ChatSettings())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -110,10 +150,21 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         finally:
             await engine.stop()
 
-    app = FastAPI(title="pagellm", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if disable_fastapi_docs else {}
+    app = FastAPI(title="pagellm", version=__version__, lifespan=lifespan,
+                  summary="OpenAI-compatible server (vLLM's API) of the pagellm engine", **docs)
+    # Set on the app (as vLLM does), not on uvicorn: requests are then routed with or without the prefix,
+    # whether or not the proxy strips it. (FastAPI only deprecates the constructor argument.)
+    app.root_path = root_path or ""
     app.state.ctx = ctx
+    app.state.responses = ResponseStore()
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(misc)
+    app.include_router(version_router)
+    app.include_router(invocations_router, dependencies=[Depends(_check_api_key)])
+    if enable_tokenizer_info_endpoint:
+        app.include_router(tokenizer_info_router)
+    if enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     return app

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -15,6 +15,7 @@ from pagellm.engine.async_engine import (
     AsyncLLMEngine,
     EngineStoppedError,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
     RequestTimeoutError,
 )
@@ -22,6 +23,8 @@ from pagellm.metrics import EngineMetrics
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.errors import APIError, bad_request
+from pagellm.server.protocol_structured import compile_structured_outputs
+from pagellm.server.serving_chat_tools import ChatSettings
 
 RETRY_AFTER_S = 1
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -35,6 +38,8 @@ class ServerContext:
     api_key: str | None = None
     request_timeout: float | None = None
     created: int = 0
+    chat: ChatSettings = field(default_factory=ChatSettings)  # --chat-template, tool calling
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the request field
 
     @property
     def model_name(self) -> str:
@@ -52,6 +57,7 @@ class ServerContext:
     async def add_all(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
                       prompt_param: str, cache_salt: str | None = None) -> list[RequestStream]:
         """Admit every prompt of a request, or none of them."""
+        await compile_structured_outputs(self.engine, params)  # off the event loop; invalid: a 400
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -78,6 +84,8 @@ def admission_error(e: BaseException, prompt_param: str) -> BaseException:
 def iteration_error(e: BaseException) -> APIError:
     if isinstance(e, RequestTimeoutError):
         return APIError(408, str(e), code="timeout")
+    if isinstance(e, RequestFailedError):  # failed alone: its message says what failed
+        return APIError(500, str(e), code="request_failed")
     return APIError(500, str(e), code="engine_error")
 
 
@@ -187,6 +195,13 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def usage_so_far(streams: list[RequestStream], latest: dict[int, RequestOutput]) -> dict:
+    """stream_options.continuous_usage_stats: every prompt's tokens, and the tokens generated so far."""
+    prompt = sum(len(s.prompt_token_ids) for s in streams)
+    completion = sum(len(c.token_ids) for o in latest.values() for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def _lp(value: float) -> float:
     return max(value, _MIN_LOGPROB)
 
@@ -199,27 +214,39 @@ def sampled_logprobs(c: CompletionOutput, start: int, end: int) -> list[tuple[in
     return list(zip(c.token_ids[start:end], c.logprobs[start:end], strict=False))
 
 
-def completion_logprobs(entries: list[tuple[int, dict[int, Logprob]]], text_offset: int) -> dict:
-    """The legacy completions shape: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+def tokens_as_ids(body, ctx: ServerContext) -> bool:
+    """return_tokens_as_token_ids: the request's field, else the server's flag."""
+    asked = getattr(body, "return_tokens_as_token_ids", None)
+    return ctx.return_tokens_as_token_ids if asked is None else asked
+
+
+def token_text(tid: int, lp: Logprob, as_ids: bool) -> str:
+    # vLLM's "token_id:N" lets a client read ids back from tokens that are not valid UTF-8 on their own.
+    return f"token_id:{tid}" if as_ids else lp.decoded_token or ""
+
+
+def completion_logprobs(entries: list[tuple[int, dict[int, Logprob]]], text_offset: int,
+                        as_ids: bool = False) -> dict:
+    """The legacy completions shape: parallel lists tokens / token_logprobs / top_logprobs / text_offset.
+    text_offset counts the decoded text even when tokens are shown as ids."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in entries:
         lp = entry[tid]
-        token = lp.decoded_token or ""
-        out["tokens"].append(token)
+        out["tokens"].append(token_text(tid, lp, as_ids))
         out["token_logprobs"].append(_lp(lp.logprob))
-        out["top_logprobs"].append({(e.decoded_token or ""): _lp(e.logprob) for e in entry.values()})
+        out["top_logprobs"].append({token_text(t, e, as_ids): _lp(e.logprob) for t, e in entry.items()})
         out["text_offset"].append(text_offset)
-        text_offset += len(token)
+        text_offset += len(lp.decoded_token or "")
     return out
 
 
-def chat_logprobs(entries: list[tuple[int, dict[int, Logprob]]], top_n: int) -> dict:
-    def item(lp: Logprob) -> dict:
-        token = lp.decoded_token or ""
+def chat_logprobs(entries: list[tuple[int, dict[int, Logprob]]], top_n: int, as_ids: bool = False) -> dict:
+    def item(tid: int, lp: Logprob) -> dict:
+        token = token_text(tid, lp, as_ids)
         return {"token": token, "logprob": _lp(lp.logprob), "bytes": list(token.encode())}
 
     content = []
     for tid, entry in entries:
-        ranked = sorted((e for e in entry.values() if e.rank is not None), key=lambda e: e.rank)
-        content.append({**item(entry[tid]), "top_logprobs": [item(e) for e in ranked[:top_n]]})
+        ranked = sorted(((t, e) for t, e in entry.items() if e.rank is not None), key=lambda te: te[1].rank)
+        content.append({**item(tid, entry[tid]), "top_logprobs": [item(t, e) for t, e in ranked[:top_n]]})
     return {"content": content}

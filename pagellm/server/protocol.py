@@ -6,11 +6,13 @@ as OpenAI does. Range checks are left to SamplingParams, whose errors name the f
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from pagellm.sampling_params import SamplingParams
+from pagellm.server.protocol_structured import StructuredOutputFields, attach
 
 TokenId = Annotated[int, Strict()]  # a float or bool is not a token id
 
@@ -20,12 +22,16 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False  # null: the default (OpenAI's SDKs send it)
+    continuous_usage_stats: bool | None = False  # vLLM: with include_usage, every chunk carries usage so far
 
 
-class _SamplingRequest(_Body):
+class _SamplingRequest(StructuredOutputFields, _Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # Unknown fields are kept (not ignored) so that the server refuses, naming it, any field OpenAI or
+    # vLLM define that pagellm cannot honour (server/request_checks.py); others are still accepted.
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -50,10 +56,19 @@ class _SamplingRequest(_Body):
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
     use_beam_search: bool = False
     length_penalty: float = 1.0  # beam search: a sequence scores sum(logprob) / length ** length_penalty
+    allowed_token_ids: list[TokenId] | None = None  # only these ids may be sampled
+    bad_words: list[str] | None = None  # never generated (vLLM's token-sequence semantics)
+    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: as many as fit)
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"; None: the server flag
+    prompt_logprobs: int | None = None  # vLLM: logprob + top-N of every prompt token (not with stream)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            beam_width: int | None = None) -> SamplingParams:
@@ -71,7 +86,7 @@ class _SamplingRequest(_Body):
         def given(value, default):
             return default if value is None else value
 
-        return SamplingParams(
+        return attach(SamplingParams(
             n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
             top_k=given(self.top_k, -1), min_p=given(self.min_p, 0.0), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -80,7 +95,9 @@ class _SamplingRequest(_Body):
             frequency_penalty=given(self.frequency_penalty, 0.0),
             repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=bias,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens),
+            *self.structured_outputs_params())
 
     def _beam_search_params(self, max_tokens: int | None, logprobs: int | None,
                             beam_width: int | None) -> SamplingParams:
@@ -96,15 +113,17 @@ class _SamplingRequest(_Body):
                    "repetition_penalty": self.repetition_penalty not in (None, 1),
                    "logit_bias": bool(self.logit_bias), "stop": bool(self.stop),
                    "stop_token_ids": bool(self.stop_token_ids), "min_tokens": self.min_tokens != 0,
+                   "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
                    "logprobs": logprobs is not None}
         for name, set_ in ignored.items():
             if set_:
                 raise ValueError(f"{name} must be left unset with use_beam_search (beam search does not "
                                  f"apply it)")
-        return SamplingParams(
+        return attach(SamplingParams(
             n=self.n, use_beam_search=True, beam_width=beam_width or self.n, length_penalty=self.length_penalty,
             temperature=0.0, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens),
+            *self.structured_outputs_params())
 
 
 class CompletionRequest(_SamplingRequest):
@@ -112,6 +131,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. on text prompts
     suffix: str | None = None
     best_of: int | None = None
 
@@ -126,10 +146,44 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: the function takes no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients send the object
+
+
+class AssistantToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: which call this is the result of
 
     def to_template_dict(self) -> dict:
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
@@ -137,7 +191,27 @@ class ChatMessage(_Body):
                                "content": self.content if self.content is not None else ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            # Templates write `arguments | tojson`: they expect the object, not OpenAI's JSON string.
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": _arguments_object(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+def _arguments_object(arguments: str | dict) -> dict:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        raise ValueError(f"tool_calls[].function.arguments must be a JSON object, got {arguments!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"tool_calls[].function.arguments must be a JSON object, got {arguments!r}")
+    return value
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -147,6 +221,14 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # tools (pagellm/server/serving_chat_tools.py)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    # vLLM's templating extras
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def engine_logprobs(self) -> int | None:
         if not self.logprobs:

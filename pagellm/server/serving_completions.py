@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -19,15 +18,30 @@ from pagellm.server.common import (
     now_s,
     sampled_logprobs,
     sse,
+    tokens_as_ids,
     unless_disconnected,
     usage,
+    usage_so_far,
 )
 from pagellm.server.errors import APIError, bad_request
+from pagellm.server.prompt_logprobs import (
+    check_prompt_logprobs,
+    echo_logprobs,
+    echo_without_generation,
+    joined,
+    prompt_only,
+    vllm_prompt_logprobs,
+    with_prompt_logprobs,
+)
 from pagellm.server.protocol import CompletionRequest
+from pagellm.server.request_checks import check_request, prepare_prompts
+from pagellm.server.request_id import base_request_id
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServerContext):
     model = ctx.check_model(body.model)
+    check_request(body)
+    body.return_tokens_as_token_ids = tokens_as_ids(body, ctx)
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.use_beam_search:  # vLLM: best_of is the beam width, n how many beams come back
@@ -36,21 +50,31 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                            param="best_of")
     elif body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of is not supported without use_beam_search (it must equal n)", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
-                       param="echo")
+    check_prompt_logprobs(body)
+    no_generation = echo_without_generation(body)  # max_tokens 0 + echo: run the prompt, drop the token
     try:
         prompts = body.prompts()
-        params = body.to_sampling_params(body.max_tokens, body.logprobs, beam_width=body.best_of)
+        params = body.to_sampling_params(1 if no_generation else body.max_tokens, body.logprobs,
+                                         beam_width=body.best_of)
     except ValueError as e:
         raise bad_request(e, "prompt") from None
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    params = with_prompt_logprobs(params, body, body.logprobs if body.echo else None)
+    rid = f"cmpl-{base_request_id(request)}"  # the client's X-Request-Id, as in vLLM
+    # tokenized off the event loop; max_tokens checked against the context (vLLM's 400)
+    prompts = await prepare_prompts(ctx.engine.tokenizer, prompts, params, ctx.engine.max_model_len,
+                                    body.add_special_tokens)
     streams = await ctx.add_all(prompts, params, rid, "prompt", body.cache_salt)
     created = now_s()
     if body.stream:
         return EngineStreamingResponse(_stream(body, streams, rid, created, model, ctx), streams)
     outputs = await unless_disconnected(request, final_outputs(streams))
+    if no_generation:
+        outputs = [prompt_only(o) for o in outputs]
     return _response(body, outputs, rid, created, model, ctx)
+
+
+def _decoder(ctx: ServerContext):
+    return lambda tid: ctx.engine.tokenizer.decode([tid], skip_special_tokens=False)
 
 
 def _prompt_text(out: RequestOutput, ctx: ServerContext) -> str:
@@ -67,9 +91,13 @@ def _response(body: CompletionRequest, outputs: list[RequestOutput], rid: str, c
         for c in out.outputs:
             lps = None
             if body.logprobs is not None:
-                lps = completion_logprobs(sampled_logprobs(c, 0, len(c.token_ids)), len(prefix))
+                lps = completion_logprobs(sampled_logprobs(c, 0, len(c.token_ids)), len(prefix),
+                                          body.return_tokens_as_token_ids)
+                if body.echo:
+                    lps = joined(echo_logprobs(out, body.logprobs, _decoder(ctx)), lps)
             choices.append({"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": lps,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            "prompt_logprobs": vllm_prompt_logprobs(out, body.prompt_logprobs)})
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(outputs)}
 
@@ -88,11 +116,13 @@ async def _stream(body: CompletionRequest, streams, rid: str, created: int, mode
                    "choices": [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish,
                                 "stop_reason": stop_reason}]}
         if body.include_usage:
-            payload["usage"] = None
+            payload["usage"] = usage_so_far(streams, finals) if body.continuous_usage else None
         return sse(payload)
 
     try:
         async for i, out in merged(streams):
+            if body.max_tokens == 0:  # echo without generation (checked at admission)
+                out = prompt_only(out)
             finals[i] = out
             for c in out.outputs:
                 idx = i * n + c.index
@@ -100,7 +130,8 @@ async def _stream(body: CompletionRequest, streams, rid: str, created: int, mode
                     continue
                 text = c.text[sent_text.get(idx, 0):]
                 prefix = ""
-                if idx not in sent_text and body.echo:
+                first = idx not in sent_text
+                if first and body.echo:
                     prefix = _prompt_text(out, ctx)
                     offsets[idx] = len(prefix)
                 if not text and not prefix and not c.finished:
@@ -108,10 +139,12 @@ async def _stream(body: CompletionRequest, streams, rid: str, created: int, mode
                 lps = None
                 if body.logprobs is not None:
                     end = len(c.token_ids)
-                    lps = completion_logprobs(sampled_logprobs(c, sent_tokens.get(idx, 0), end),
-                                              offsets.get(idx, 0))
+                    entries = sampled_logprobs(c, sent_tokens.get(idx, 0), end)
+                    lps = completion_logprobs(entries, offsets.get(idx, 0), body.return_tokens_as_token_ids)
                     sent_tokens[idx] = end
-                    offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in lps["tokens"])
+                    offsets[idx] = offsets.get(idx, 0) + sum(len(e[t].decoded_token or "") for t, e in entries)
+                    if first and body.echo:  # the prompt's entries open the choice, as its text does
+                        lps = joined(echo_logprobs(out, body.logprobs, _decoder(ctx)), lps)
                 sent_text[idx] = len(c.text)
                 if c.finished:
                     done.add(idx)

@@ -1,0 +1,131 @@
+"""Embeddings: a prompt's final (normed) hidden state, pooled over its tokens and L2-normalized.
+
+The prompt runs through the same `ModelRunner` as generation (`forward_hidden`), in chunks of the step's
+token budget, with KV blocks taken from the engine's `KVCacheManager` for the duration of the call and
+returned in a `finally` (so never leaked). It bypasses the scheduler: the server runs it in the engine's
+worker thread between two steps (`EngineJobs`), the only place the engine is touched, so a long input
+delays the running requests by its prefill time, as one unchunked prefill would. Nothing is sampled and
+nothing is published to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagellm.request import Request
+from pagellm.sampling_params import SamplingParams
+
+POOLINGS = ("last", "mean")
+
+
+class KVCacheBusy(RuntimeError):
+    """The KV cache cannot hold this input now; running requests will free blocks."""
+
+
+def embed(engine, prompt: str | list[int], pooling: str | None = None, normalize: bool = True,
+          add_special_tokens: bool = True, truncate_prompt_tokens: int | None = None) -> tuple[list[float], int]:
+    """(embedding, number of prompt tokens). `engine` is an LLMEngine; ValueError for bad input."""
+    pooling = pooling or engine.args.embedding_pooling
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
+        else list(prompt)
+    if truncate_prompt_tokens is not None:
+        ids = ids[-truncate_prompt_tokens:]
+    vocab = engine.model_config.vocab_size
+    if not ids:
+        raise ValueError("input must contain at least one token")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"input token id {bad} is out of range [0, {vocab})")
+    if len(ids) > engine.max_model_len:  # nothing is generated, so the whole context may be used
+        raise ValueError(f"input has {len(ids)} tokens, but max_model_len is {engine.max_model_len}")
+    kv = engine.kv_cache
+    req = Request(f"embed-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1))
+    if kv.allocate_slots(req, len(ids)) is None:
+        raise KVCacheBusy(f"the KV cache has no room for {len(ids)} tokens now")
+    try:
+        return _pooled(engine, req, pooling, normalize), len(ids)
+    finally:
+        kv.free(req)
+
+
+@torch.inference_mode()
+def _pooled(engine, req: Request, pooling: str, normalize: bool) -> list[float]:
+    budget = engine.scheduler.config.max_num_batched_tokens
+    table = engine.kv_cache.block_table(req.request_id)
+    total = None
+    while req.num_computed_tokens < req.num_tokens:
+        n = min(budget, req.num_tokens - req.num_computed_tokens)
+        hidden, _ = engine.runner.forward_hidden(SchedulerOutput([ScheduledRequest(req, n, table)], n))
+        hidden = hidden.float()
+        part = hidden[-1] if pooling == "last" else hidden.sum(dim=0)
+        total = part if total is None or pooling == "last" else total + part
+        req.num_computed_tokens += n
+    vec = total if pooling == "last" else total / req.num_tokens
+    if normalize:
+        vec = torch.nn.functional.normalize(vec, dim=0)
+    return vec.tolist()
+
+
+class EngineJobs:
+    """Work run on the engine in its worker thread between steps (AsyncLLMEngine calls `run`).
+    A job raising KVCacheBusy waits for the next step while requests run (they free blocks)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Callable[[Any], Any], asyncio.Future]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def submit(self, job: Callable[[Any], Any]) -> asyncio.Future:
+        """From the event loop: a future for job(engine)'s result."""
+        fut = asyncio.get_running_loop().create_future()
+        with self._lock:
+            self._pending.append((job, fut))
+        return fut
+
+    def run(self, engine) -> None:
+        """In the worker thread: run every pending job once."""
+        with self._lock:
+            jobs, self._pending = self._pending, []
+        retry = []
+        for job, fut in jobs:
+            if fut.done():  # the client left
+                continue
+            try:
+                result, error = job(engine), None
+            except KVCacheBusy as e:
+                if engine.has_unfinished_requests():
+                    retry.append((job, fut))
+                    continue
+                result, error = None, e
+            except Exception as e:
+                result, error = None, e
+            fut.get_loop().call_soon_threadsafe(_settle, fut, result, error)
+        if retry:
+            with self._lock:
+                self._pending[:0] = retry
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            jobs, self._pending = self._pending, []
+        for _, fut in jobs:
+            _settle(fut, None, error)
+
+
+def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

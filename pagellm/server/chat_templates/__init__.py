@@ -1,0 +1,37 @@
+"""Chat templates pagellm ships: the tools section for models whose own template ignores `tools`, and
+loading `--chat-template` (a file, or the template text itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cache
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_DIR = Path(__file__).resolve().parent
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a path to a jinja file, or (as vLLM allows) the template text itself."""
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        return Path(path).read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a jinja file or the template text)")
+
+
+@cache
+def _tool_prompt():
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # no HTML escaping: the schemas go into a prompt as written
+    env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+    return env.from_string((_DIR / "tool_prompt.jinja").read_text(encoding="utf-8"))
+
+
+def render_tool_prompt(tools: list[dict], call_format: str, tool_choice: str,
+                       parallel_tool_calls: bool = True) -> str:
+    return _tool_prompt().render(tools=tools, call_format=call_format, tool_choice=tool_choice,
+                                 parallel_tool_calls=parallel_tool_calls).strip()

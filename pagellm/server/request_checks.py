@@ -1,0 +1,116 @@
+"""Checks both generation endpoints run before admission, and their prompt preparation.
+
+- A field OpenAI or vLLM define that pagellm cannot honour is a 400 naming it (never a 200 that ignores
+  it); a harmless value of such a field (`"modalities": ["text"]`, `"store": false`) is accepted. Other
+  unknown fields are accepted and logged, as vLLM does.
+- Text prompts are tokenized off the event loop (the tokenizer releases the GIL), so that /health and
+  streaming stay responsive while long prompts are encoded; the engine then gets token ids plus the text
+  (kept for echo).
+- `max_tokens` that cannot fit next to the prompt in max_model_len is a 400 stating both numbers, with
+  vLLM's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from pagellm.engine.admission import truncate_prompt
+from pagellm.sampling_params import SamplingParams
+from pagellm.server.errors import APIError, bad_request
+
+logger = logging.getLogger("pagellm")
+
+
+def _unset(v) -> bool:
+    return v is None
+
+
+def _falsy(v) -> bool:
+    return not v
+
+
+# field -> (is this value harmless?, why the field is refused)
+REFUSED: dict[str, tuple[Callable[[object], bool], str]] = {
+    # OpenAI
+    "audio": (_unset, "audio output is not supported: pagellm generates text only"),
+    "modalities": (lambda v: v is None or v == ["text"], 'only the "text" modality is supported'),
+    "prediction": (_unset, "predicted outputs are not supported"),
+    "web_search_options": (_unset, "web search is not supported"),
+    "store": (_falsy, "stored completions are not supported"),
+    "reasoning_effort": (_unset, "reasoning_effort is not supported: the model does not reason separately"),
+    "verbosity": (_unset, "verbosity is not supported"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), 'service tiers other than "auto" are not '
+                                                               "supported"),
+    "functions": (_unset, "the deprecated functions field is not supported: send tools"),
+    "function_call": (_unset, "the deprecated function_call field is not supported: send tool_choice"),
+    "tools": (_unset, "tools are not supported on this endpoint: use /v1/chat/completions"),
+    "tool_choice": (_unset, "tool_choice is not supported on this endpoint: use /v1/chat/completions"),
+    "max_completion_tokens": (_unset, "max_completion_tokens is not supported on this endpoint: send max_tokens"),
+    "best_of": (lambda v: v in (None, 1), "best_of is not supported on this endpoint"),
+    "echo": (_falsy, "echo is not supported on this endpoint"),
+    # vLLM extras
+    "logits_processors": (_unset, "custom logits processors are not supported"),
+    "spaces_between_special_tokens": (lambda v: v is None or v is True,
+                                      "spaces_between_special_tokens=false is not supported"),
+    "priority": (lambda v: v in (None, 0), "request priorities are not supported: scheduling is first come, "
+                                            "first served"),
+    "mm_processor_kwargs": (_unset, "multimodal inputs are not supported"),
+    "multi_modal_data": (_unset, "multimodal inputs are not supported"),
+    "prompt_embeds": (_unset, "prompt embeddings are not supported"),
+    "kv_transfer_params": (_unset, "KV-cache transfer is not supported"),
+    "vllm_xargs": (_unset, "vllm_xargs (custom extension arguments) are not supported"),
+    "return_token_ids": (_falsy, "return_token_ids is not supported"),
+    "request_id": (_unset, "the request_id field is not supported: send an X-Request-Id header"),
+    "guided_decoding_backend": (lambda v: v in (None, "auto", "xgrammar"), "the only guided decoding "
+                                                                        "backend is xgrammar"),
+}
+
+
+def check_request(body) -> None:
+    """Refuse what cannot be honoured: fields of REFUSED (unless harmless), stream_options without stream."""
+    extra = body.model_extra or {}
+    for name, value in extra.items():
+        rule = REFUSED.get(name)
+        if rule is not None and not rule[0](value):
+            raise APIError(400, f"{name} is not supported: {rule[1]}", param=name)
+    unknown = sorted(set(extra) - set(REFUSED))
+    if unknown:
+        logger.warning("request fields ignored (unknown to pagellm): %s", ", ".join(unknown))
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> None:
+    """A prompt alone at max_model_len or over is the engine's error (it names the KV capacity too)."""
+    if max_tokens is None or prompt_len >= max_model_len or prompt_len + max_tokens <= max_model_len:
+        return
+    raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                        f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                        f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                        f"completion.", param=param)
+
+
+async def prepare_prompts(tokenizer, prompts: list[str | list[int]], params: SamplingParams, max_model_len: int,
+                          add_special_tokens: bool = True, max_tokens_param: str = "max_tokens",
+                          max_tokens: int | None = None) -> list[dict]:
+    """Prompts -> vLLM TokensPrompt dicts ({"prompt_token_ids", "prompt"}) for the engine: text encoded
+    in a worker thread, truncate_prompt_tokens applied (the text dropped then: it no longer matches), and
+    max_tokens (`max_tokens` if given, else params.max_tokens) checked against the context."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await asyncio.to_thread(
+        lambda: [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]) if texts else [])
+    out = []
+    for p in prompts:
+        text, ids = (p, next(encoded)) if isinstance(p, str) else (None, p)
+        try:
+            kept = truncate_prompt(ids, params, max_model_len)
+        except ValueError as e:
+            raise bad_request(e) from None
+        if len(kept) != len(ids):
+            text, ids = None, kept
+        check_context(len(ids), params.max_tokens if max_tokens is None else max_tokens, max_model_len,
+                      max_tokens_param)
+        out.append({"prompt_token_ids": ids, "prompt": text})
+    return out

@@ -1,0 +1,80 @@
+"""POST /v1/embeddings (OpenAI's shape): pooled final hidden states, L2-normalized, as float lists or
+base64 (little-endian float32, what the openai client asks for by default)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import struct
+import uuid
+from typing import Annotated, Literal
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Strict
+
+from pagellm.engine.async_engine import EngineStoppedError
+from pagellm.engine.embedding import embed
+from pagellm.server.common import ServerContext, admission_error, now_s, unless_disconnected
+from pagellm.server.errors import APIError
+
+TokenId = Annotated[int, Strict()]
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM / pagellm extras
+    pooling: Literal["last", "mean"] | None = None  # default: the server's --embedding-pooling
+    normalize: bool = True
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            raise APIError(400, "input must not be empty", param="input")
+        if isinstance(x[0], int):
+            return [list(x)]
+        return list(x)
+
+
+async def create_embedding(body: EmbeddingRequest, request: Request, ctx: ServerContext) -> dict:
+    model = ctx.check_model(body.model)
+    hidden = ctx.engine.engine.model_config.hidden_size
+    if body.dimensions is not None and body.dimensions != hidden:
+        raise APIError(400, f"dimensions must be {hidden} (this model's hidden size; no other is supported), "
+                            f"got {body.dimensions}", param="dimensions")
+    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < 1:
+        raise APIError(400, f"truncate_prompt_tokens must be an integer >= 1, got {body.truncate_prompt_tokens}",
+                       param="truncate_prompt_tokens")
+    inputs = body.inputs()
+    job = functools.partial(embed, pooling=body.pooling, normalize=body.normalize,
+                            add_special_tokens=body.add_special_tokens,
+                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+
+    async def run_all():
+        return await asyncio.gather(*(ctx.engine.run_job(functools.partial(job, prompt=p)) for p in inputs))
+
+    try:
+        results = await unless_disconnected(request, run_all())
+    except (ValueError, EngineStoppedError) as e:
+        raise admission_error(e, "input") from None
+    data = [{"object": "embedding", "index": i, "embedding": _encode(vec, body.encoding_format)}
+            for i, (vec, _) in enumerate(results)]
+    tokens = sum(n for _, n in results)
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now_s(), "model": model,
+            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _encode(vec: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vec
+    return base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")

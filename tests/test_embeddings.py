@@ -1,0 +1,131 @@
+"""Embeddings (LLM.embed, POST /v1/embeddings): the normalized last-token or mean final hidden state equals
+transformers' (after the final norm), in chunks or whole; base64 decodes to the same floats; every KV
+block comes back; the official openai client works."""
+
+import asyncio
+import base64
+import struct
+
+import httpx
+import openai
+import pytest
+import torch
+from test_server import Server
+
+from pagellm import LLM
+
+# one tiny server and a tiny offline engine; the transformers reference runs in-process
+pytestmark = pytest.mark.timeout(180)
+
+SERVED = "tiny"
+TEXTS = ["The quick brown fox jumps over the lazy dog", "Hello", "Paged attention keeps KV in blocks. " * 6]
+
+
+@pytest.fixture(scope="module")
+def wide_path(tiny_hf_model):
+    return tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def hf(wide_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(wide_path, dtype=torch.float32).eval()
+
+
+def reference(hf, ids, pooling):
+    with torch.no_grad():
+        h = hf.model(torch.tensor([ids])).last_hidden_state[0]  # after the final norm
+    v = h[-1] if pooling == "last" else h.mean(dim=0)
+    return torch.nn.functional.normalize(v, dim=0)
+
+
+@pytest.fixture(scope="module")
+def llm(wide_path, smollm_gguf_path):
+    # a step budget of 8 tokens: longer inputs run in several chunks
+    return LLM(wide_path, tokenizer=smollm_gguf_path, kv_cache_memory="4MiB", max_num_batched_tokens=8)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_offline_embeddings_equal_transformers(llm, hf, pooling):
+    tok = llm.get_tokenizer()
+    for text in TEXTS:
+        ids = tok.encode(text)
+        got = torch.tensor(llm.embed(text, pooling=pooling)[0])
+        assert torch.allclose(got, reference(hf, ids, pooling), atol=1e-4), text
+        assert abs(float(got.norm()) - 1.0) < 1e-5
+        assert torch.allclose(torch.tensor(llm.embed(ids, pooling=pooling)[0]), got, atol=1e-6)
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free == kv.num_blocks  # every block taken for an input came back
+    raw = torch.tensor(llm.embed(TEXTS[0], pooling=pooling, normalize=False)[0])
+    assert abs(float(raw.norm()) - 1.0) > 1e-3
+    with pytest.raises(ValueError, match="out of range"):
+        llm.embed([1, 49152])
+
+
+@pytest.fixture(scope="module")
+def server(wide_path, smollm_gguf_path, tmp_path_factory):
+    s = Server(["--model", wide_path, "--tokenizer", smollm_gguf_path, "--served-model-name", SERVED,
+                "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "16"],
+               tmp_path_factory.mktemp("srv") / "server.log")
+    yield s
+    s.stop()
+    assert s.proc.returncode == 0, s.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_embeddings(client, llm, hf):
+    r = client.embeddings.create(model=SERVED, input=TEXTS)  # the client asks for base64 and decodes it
+    assert [d.index for d in r.data] == [0, 1, 2] and r.object == "list" and r.model == SERVED
+    tok = llm.get_tokenizer()
+    for text, d in zip(TEXTS, r.data, strict=True):
+        assert len(d.embedding) == 64
+        assert torch.allclose(torch.tensor(d.embedding), reference(hf, tok.encode(text), "last"), atol=1e-4)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(tok.encode(t)) for t in TEXTS)
+    ids = client.embeddings.create(model=SERVED, input=[tok.encode(TEXTS[0]), tok.encode(TEXTS[1])])
+    assert [d.embedding for d in ids.data] == [d.embedding for d in r.data[:2]]
+    one = client.embeddings.create(model=SERVED, input=tok.encode(TEXTS[1]), encoding_format="float")
+    assert one.data[0].embedding == pytest.approx(r.data[1].embedding, abs=1e-6)
+
+
+def test_float_and_base64_and_mean_pooling(server, llm):
+    url = server.url + "/v1/embeddings"
+    floats = httpx.post(url, json={"input": TEXTS[0], "encoding_format": "float"}).json()
+    b64 = httpx.post(url, json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+    raw = base64.b64decode(b64["data"][0]["embedding"])
+    decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert list(decoded) == pytest.approx(floats["data"][0]["embedding"], abs=0, rel=1e-7)
+    mean = httpx.post(url, json={"input": TEXTS[2], "encoding_format": "float", "pooling": "mean"}).json()
+    assert mean["data"][0]["embedding"] == pytest.approx(llm.embed(TEXTS[2], pooling="mean")[0], abs=1e-5)
+
+
+def test_async_client_and_blocks_come_back(server):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as c:
+            gen = c.completions.create(model=SERVED, prompt="Hello there", max_tokens=8)
+            return await asyncio.gather(gen, *(c.embeddings.create(model=SERVED, input=f"{t} {i}")
+                                               for i, t in enumerate(TEXTS * 3)))
+
+    results = asyncio.run(main())
+    assert all(len(r.data[0].embedding) == 64 for r in results[1:])
+    m = httpx.get(server.url + "/metrics").text
+    usage = [line for line in m.splitlines() if line.startswith("pagellm:kv_cache_usage_perc")]
+    assert usage and float(usage[0].split()[-1]) == 0.0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "x", "dimensions": 32}, "dimensions"),
+    ({"input": []}, "input"),
+    ({"input": [[1, 49152]]}, "input"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "x", "pooling": "max"}, "pooling"),
+    ({"input": "x " * 2000}, "input"),  # longer than max_model_len (1024)
+])
+def test_bad_inputs_are_400_naming_the_field(server, body, param):
+    r = httpx.post(server.url + "/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

@@ -1,0 +1,162 @@
+"""A request whose own parameters make the step's sampling fail fails alone (pagellm/engine/isolation.py):
+the others of its batch finish with exactly the tokens they get without it, and no KV block leaks."""
+
+import random
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+# a tiny model: seconds per test; a minute means something hangs
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def make_llm(tiny_hf_model, smollm_gguf_path):
+    path = tiny_hf_model("llama", max_position_embeddings=1024)
+
+    def make(**kw):
+        return LLM(path, tokenizer=smollm_gguf_path, kv_cache_memory="8MiB", **kw)
+
+    return make
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    # repeated runs give the n-gram proposer drafts to verify
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(4, 12))] * 3 for _ in range(n)]
+
+
+def _sixteen() -> list[tuple[list[int], SamplingParams]]:
+    """Greedy, seeded random (with top-p, penalties, logit_bias) and n=2 requests: all reproducible."""
+    ps = _prompts(16, seed=1)
+    params = []
+    for i in range(16):
+        if i % 4 == 0:
+            params.append(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        elif i % 4 == 1:
+            params.append(SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=12, ignore_eos=True))
+        elif i % 4 == 2:
+            params.append(SamplingParams(n=2, temperature=1.0, seed=7 * i, max_tokens=10, ignore_eos=True,
+                                         frequency_penalty=0.5))
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={5: 3.0}))
+    return list(zip(ps, params, strict=True))
+
+
+def _poisoned_seed() -> SamplingParams:
+    p = SamplingParams(temperature=1.0, seed=1, max_tokens=8)
+    p.seed = 2**64  # past validation (which refuses it): torch.Generator.manual_seed raises in the step
+    return p
+
+
+def _poisoned_bias() -> SamplingParams:
+    p = SamplingParams(temperature=0.0, max_tokens=8)
+    p.logit_bias = {5: "not a number"}  # a logits-processing failure (float() raises in the sampler)
+    return p
+
+
+def _joins(params_fn):
+    """The poison joins the running batch."""
+    return lambda eng: eng.add_request("poison", [5, 6, 7, 8, 9], params_fn())
+
+
+def _turns_bad(eng):
+    """The poison ran well for a while (it arrived last: the others were verified before it in the
+    failed call, and their seeded generators drew), then its logits processing fails."""
+    eng.requests["poison"].seqs[0].request.params.logit_bias = {5: "not a number"}
+
+
+def _run(llm, reqs, poison=None, poison_after_steps=1):
+    """Add the 16, step a little, poison (a new request joins, or one running turns bad), run to the end."""
+    eng = llm.engine
+    for i, (prompt, p) in enumerate(reqs):
+        eng.add_request(f"r{i}", prompt, p)
+    if poison is _turns_bad:
+        eng.add_request("poison", [5, 6, 7, 8] * 3, SamplingParams(temperature=0.0, max_tokens=20))
+    finals = {}
+
+    def step():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+
+    for _ in range(poison_after_steps):
+        step()
+    if poison is not None:
+        poison(eng)
+    while eng.has_unfinished_requests():
+        step()
+    return finals
+
+
+def _assert_all_blocks_free(llm):
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free == kv.num_blocks and not kv.req_blocks and kv.usage() == 0
+    assert not llm.engine.scheduler.has_unfinished_requests() and not llm.engine.requests
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+@pytest.mark.parametrize("poison,cause", [(_joins(_poisoned_seed), "Overflow"),
+                                          (_joins(_poisoned_bias), "could not convert"),
+                                          (_turns_bad, "could not convert")], ids=["seed", "bias", "turns-bad"])
+def test_a_poisoned_request_fails_alone_and_the_16_others_are_unchanged(make_llm, speculative, poison, cause):
+    # adaptive drafting follows measured step times, and what is drafted changes seeded draws
+    kw = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False) if speculative else {}
+    llm = make_llm(**kw)
+    reqs = _sixteen()
+    clean = _run(llm, reqs)
+    _assert_all_blocks_free(llm)
+    finals = _run(llm, reqs, poison)
+    _assert_all_blocks_free(llm)
+
+    bad = finals.pop("poison")
+    assert bad.finished and bad.error is not None and cause in bad.error, bad.error
+    assert [c.finish_reason for c in bad.outputs] == ["error"]
+    assert llm.engine.stats.finished.get("error") == 1
+    assert sorted(finals) == sorted(clean)
+    for rid, out in clean.items():
+        assert finals[rid].error is None
+        assert [c.token_ids for c in finals[rid].outputs] == [c.token_ids for c in out.outputs], rid
+        assert [c.finish_reason for c in finals[rid].outputs] == [c.finish_reason for c in out.outputs]
+
+
+def test_offline_generate_returns_the_error_and_the_rest(make_llm):
+    llm = make_llm()
+    reqs = _sixteen()[:4]
+    prompts = [p for p, _ in reqs] + [[5, 6, 7]]
+    outs = llm.generate(prompts, [p for _, p in reqs] + [_poisoned_seed()], use_tqdm=False)
+    assert [o.error is None for o in outs] == [True] * 4 + [False]
+    assert outs[-1].outputs[0].finish_reason == "error" and "seed" not in outs[-1].outputs[0].text
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outs[:4])
+    _assert_all_blocks_free(llm)
+
+
+def test_a_poisoned_n_request_fails_whole_and_a_beam_search_beside_it_goes_on(make_llm):
+    llm = make_llm()
+    eng = llm.engine
+    beam = SamplingParams(n=2, use_beam_search=True, max_tokens=6)
+    ok = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    clean = llm.generate([[5, 6, 7], [11, 12, 13]], [beam, ok], use_tqdm=False)
+    eng.add_request("beam", [5, 6, 7], beam)
+    eng.add_request("n3", [8, 9, 10], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6))
+    eng.add_request("ok", [11, 12, 13], ok)
+    eng.requests["n3"].seqs[2].request.params.logit_bias = {5: "x"}  # one sequence: the request fails whole
+    finals = {}
+    while eng.has_unfinished_requests():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    assert finals["n3"].error is not None and [c.finish_reason for c in finals["n3"].outputs] == ["error"] * 3
+    assert finals["beam"].error is None and finals["ok"].error is None
+    assert [c.token_ids for c in finals["beam"].outputs] == [c.token_ids for c in clean[0].outputs]
+    assert finals["ok"].outputs[0].token_ids == clean[1].outputs[0].token_ids
+    _assert_all_blocks_free(llm)
+
+
+def test_seed_out_of_range_is_refused_at_validation():
+    for seed in (2**64, -2**63 - 1, 2.5, True):
+        with pytest.raises(ValueError, match="seed must be an integer in"):
+            SamplingParams(seed=seed)
+    SamplingParams(seed=2**64 - 1)
+    SamplingParams(seed=-2**63)
+    with pytest.raises(ValueError, match="seed must be"):  # sample i of n is seeded seed + i
+        SamplingParams(n=2, seed=2**64 - 1)
