@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns) or 0
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, OSError, TypeError) as e:  # OSError: unreadable model files (permissions, a dir)
         print(f"pagellm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from pagellm.engine.async_engine import AsyncLLMEngine, EngineSnapshot
+from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.request_stats import FinishedRequest
+from pagellm.engine.request_stream import EngineSnapshot
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "PREFIXES"]
 
@@ -131,6 +132,8 @@ class EngineMetrics:
                                      _ITERATION_BUCKETS)
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        # process_resident_memory_bytes & co. (Linux /proc): the soak benchmark reads the server's RSS here.
+        ProcessCollector(registry=self.registry)
         engine.observer = self
 
     # ---- RequestObserver (event loop thread) ------------------------------------------------------

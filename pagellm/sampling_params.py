@@ -83,6 +83,12 @@ class SamplingParams:
         def bad(name, rule, value):
             raise ValueError(f"{name} must be {rule}, got {value!r}")
 
+        # Python callers can pass anything; a None or a string must fail naming its field, not in a compare.
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                bad(name, "a number", value)
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "an integer >= 1", self.n)
         if not 0.0 <= self.temperature <= 100.0:
@@ -143,7 +149,7 @@ class SamplingParams:
                 "unset with use_beam_search (beam search does not apply it)",
                 self.allowed_token_ids if self.allowed_token_ids is not None else self.bad_words)
         for tok, bias in (self.logit_bias or {}).items():
-            if not -100.0 <= float(bias) <= 100.0:
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
                 bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)
 
     @property

@@ -1,25 +1,21 @@
-"""Tokenizers from a Hugging Face directory or a GGUF's embedded vocabulary; chat templates; streaming text.
+"""Tokenizers from a Hugging Face directory or a GGUF's embedded vocabulary; streaming text.
 
-Only `tokenizers` and `jinja2` at runtime (no transformers: it costs seconds at start-up). The GGUF
-tokenizer is rebuilt the way llama.cpp tokenizes: byte-level BPE with the split regex named by
-`tokenizer.ggml.pre`, or sentencepiece-style BPE with byte fallback.
+Only `tokenizers` at runtime (no transformers: it costs seconds at start-up); chat templates are rendered
+by `pagellm.chat_template`. The GGUF tokenizer is rebuilt the way llama.cpp tokenizes: byte-level BPE
+with the split regex named by `tokenizer.ggml.pre`, or sentencepiece-style BPE with byte fallback.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-from datetime import datetime
 
-import jinja2
-import jinja2.ext
-import jinja2.meta
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
+
+from pagellm.chat_template import render_messages
 
 logger = logging.getLogger(__name__)
 # Longer texts are encoded through encode_batch, which releases the GIL (see Tokenizer.encode).
@@ -178,7 +174,14 @@ class Tokenizer:
         if os.path.isdir(path):
             return cls._from_hf_dir(path)
         if os.path.isfile(path):
-            return cls._from_gguf(path)
+            from pagellm.model.loader.model_file_error import ModelFileError
+
+            try:
+                return cls._from_gguf(path)
+            except ModelFileError:
+                raise
+            except Exception as e:  # untrusted metadata; the tokenizers library raises plain Exceptions
+                raise ModelFileError(path, f"tokenizer metadata unusable: {type(e).__name__}: {e}") from None
         raise FileNotFoundError(f"tokenizer path {path!r} not found (expected a .gguf file or HF directory)")
 
     @classmethod
@@ -263,31 +266,12 @@ class Tokenizer:
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
                             continue_final_message: bool = False, chat_template: str | None = None,
                             **kwargs) -> str:
-        """Render messages to a prompt string; extra kwargs (chat_template_kwargs) reach the template.
-        continue_final_message leaves the last message open for generation to continue it (as transformers)."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: one "
-                             "continues the last message, the other opens a new one")
-        source = self.chat_template_source(bool(tools), chat_template)
-        flat = [flatten_content(m) for m in messages]
-        text = _compile(source).render(
-            messages=flat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens, **kwargs})
-        if continue_final_message:
-            text = _cut_after_final_message(text, flat)
-        return text
-
-
-def _cut_after_final_message(text: str, messages: list[dict]) -> str:
-    final = (messages[-1].get("content") or "") if messages else ""
-    if not final.strip():
-        raise ValueError("continue_final_message needs a final message with content to continue")
-    at = text.rfind(final.strip())
-    if at == -1:
-        raise ValueError("continue_final_message: the chat template does not render the final message's "
-                         "content verbatim, so there is no place to continue it from")
-    kept = text[at:at + len(final.lstrip())] == final.lstrip()  # the template kept its trailing whitespace
-    return text[:at + len(final.lstrip() if kept else final.strip())]
+        """Render messages to a prompt string (`chat_template.render_messages`); extra kwargs
+        (chat_template_kwargs) reach the template."""
+        return render_messages(self.chat_template_source(bool(tools), chat_template), messages,
+                               special_tokens=self.special_tokens, add_generation_prompt=add_generation_prompt,
+                               tools=tools, documents=documents, continue_final_message=continue_final_message,
+                               **kwargs)
 
 
 def _hf_template(path: str, cfg: dict) -> str | dict[str, str] | None:
@@ -301,68 +285,6 @@ def _hf_template(path: str, cfg: dict) -> str | dict[str, str] | None:
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         return {t["name"]: t["template"] for t in template}
     return template
-
-
-def flatten_content(message: dict) -> dict:
-    """A message whose content is a list of text parts, with the parts joined (templates expect a string)."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text":
-            texts.append(part.get("text", ""))
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"unsupported message content part of type {kind!r} (only text is supported)")
-    return dict(message, content="\n".join(texts))
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (training-mask markers in some templates) renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # jinja's own tojson escapes HTML characters, which changes prompts.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-_COMPILED: dict[str, jinja2.Template] = {}
-
-
-def _compile(source: str) -> jinja2.Template:
-    template = _COMPILED.get(source)
-    if template is None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = _COMPILED[source] = env.from_string(source)
-    return template
-
-
-@functools.cache
-def template_variables(source: str) -> frozenset[str]:
-    """The names a template reads from its context (e.g. whether it renders `tools` at all)."""
-    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 # -- streaming -------------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ from polling import async_wait_until
 
 from pagellm import SamplingParams
 from pagellm.config import EngineArgs
-from pagellm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestTimeoutError
+from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.request_stream import QueueFullError, RequestTimeoutError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)

@@ -42,6 +42,14 @@ def add_bench_parser(sub) -> None:
                                     "benchmark_serving): throughput, TTFT, TPOT, ITL, E2E, goodput.")
     add_serve_bench_args(s)
     s.set_defaults(func=run_serve_bench)
+    from pagellm.bench.soak import add_soak_args, run_soak
+
+    k = bsub.add_parser("soak", help="bounded soak of a loopback server: mixed, malformed and abandoned traffic",
+                        description="Mixed traffic, faults and malformed bodies against a loopback server for "
+                                    "--duration; then drain and check that nothing was lost or leaked. Exits "
+                                    "non-zero if any must-be-zero figure is not zero.")
+    add_soak_args(k)
+    k.set_defaults(func=run_soak)
 
 
 def run_throughput_bench(ns: argparse.Namespace) -> int:

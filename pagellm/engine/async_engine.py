@@ -9,70 +9,35 @@ own asyncio queue of cumulative `RequestOutput`s.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from pagellm.engine.embedding import EngineJobs
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.engine.request_stats import FinishedRequest, finished_request
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.engine.request_log import log_request
+from pagellm.engine.request_stats import finished_request
+from pagellm.engine.request_stream import (
+    EngineDeadError,
+    EngineSnapshot,
+    EngineStoppedError,
+    QueueFullError,
+    RequestFailedError,
+    RequestObserver,
+    RequestStream,
+    RequestTimeoutError,
+)
+from pagellm.outputs import RequestOutput
 from pagellm.request import RequestStatus
 from pagellm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagellm")
 
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at max_queue_len; the client should retry later."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine is shutting down (or its loop died) and takes no new requests."""
-
-
-class RequestTimeoutError(RuntimeError):
-    """A request ran past its deadline and was aborted."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request alone failed in the engine step (its own parameters); the others went on."""
-
-
-class RequestObserver(Protocol):
-    """What the metrics layer wants to hear about; all calls come from the event loop thread."""
-
-    def observe_first_token(self, seconds: float) -> None: ...
-    def observe_inter_token(self, seconds: float) -> None: ...
-    def observe_finished(self, request: FinishedRequest) -> None: ...
-    def observe_iteration(self, num_tokens: int) -> None: ...
-
-
-@dataclass
-class EngineSnapshot:
-    """Engine gauges and counters, copied in the worker thread after each step so readers never race it."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_swapped: int = 0  # requests whose KV blocks are in host memory now
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    num_preemptions: int = 0
-    num_swapped_out: int = 0
-    num_swapped_in: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_steps: int = 0
-    spec_accepted_per_pos: list[int] = field(default_factory=list)
-    prefix_queries: int = 0
-    prefix_hits: int = 0
+_TRIM_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -94,56 +59,6 @@ class _StepResult:
     num_tokens: int = 0  # fed to the model in this step
 
 
-class RequestStream:
-    """One accepted request: iterate it for cumulative outputs; `close()` aborts it if still running."""
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, n: int, arrival: float,
-                 deadline: float | None):
-        self._engine = engine
-        self.request_id = request_id
-        self.n = n
-        self.arrival_time = arrival
-        self.deadline = deadline
-        self.prompt: str | None = None
-        self.prompt_token_ids: list[int] = []
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.finished = False
-        self.last_output: RequestOutput | None = None
-        self.scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.max_tokens: int | None = None
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await self.queue.get()
-                # Outputs are cumulative: a slow reader only needs the newest one.
-                while not isinstance(item, BaseException) and not self.queue.empty():
-                    item = self.queue.get_nowait()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self._engine._release(self)
-
-    def final_abort_output(self) -> RequestOutput:
-        """What a request that never finishes reports: its text so far, finish_reason "abort"."""
-        last = self.last_output
-        outs = list(last.outputs) if last else [CompletionOutput(i, "", []) for i in range(self.n)]
-        outs = [o if o.finished else dataclasses.replace(o, finish_reason="abort") for o in outs]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, finished=True)
-
-
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_queue_len: int | None = None):
         self.engine = engine
@@ -160,6 +75,10 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._accepting = False
         self._stopping = False
+        self.error: BaseException | None = None  # why the loop died (EngineDeadError); None while healthy
+        self.log_requests = False
+        self._stepped_since_trim = False
+        self._last_trim = 0.0  # --log-requests: prompts and outputs reach the log only when set
 
     @property
     def tokenizer(self):
@@ -198,7 +117,7 @@ class AsyncLLMEngine:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         now = time.time()
-        stream = RequestStream(self, rid, params.n, now, now + timeout if timeout else None)
+        stream = RequestStream(self._release, rid, params.n, now, now + timeout if timeout else None)
         stream.max_tokens = params.max_tokens
         self._streams[rid] = stream
         with self._lock:
@@ -208,6 +127,9 @@ class AsyncLLMEngine:
             await stream.accepted
         except BaseException:
             stream.close()
+            # The exception's traceback holds this frame; without `stream` (whose future holds the exception)
+            # that is no cycle, so a refused prompt is freed at once rather than by the next full GC.
+            del stream, prompt
             raise
         return stream
 
@@ -233,6 +155,8 @@ class AsyncLLMEngine:
     def _release(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
+            if self.log_requests:
+                log_request(stream, self.tokenizer)
         if not stream.finished:
             stream.finished = True
             with self._lock:
@@ -277,15 +201,34 @@ class AsyncLLMEngine:
                 return
             if not self._has_work():
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                if not self._stepped_since_trim:
+                    await self._wakeup.wait()
+                    continue
+                # Idle after work: return freed memory to the OS (off the loop), at most once a second since a
+                # trim walks the whole heap; work arriving first wins.
+                wait = self._last_trim + _TRIM_INTERVAL_S - time.monotonic()
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), wait)
+                    continue
+                self._stepped_since_trim, self._last_trim = False, time.monotonic()
+                await asyncio.to_thread(self.engine.platform.release_free_memory)
                 continue
             try:
                 self._expire_deadlines()
                 self._dispatch(await asyncio.to_thread(self._step_sync))
+                self._stepped_since_trim = True
             except Exception as e:
-                # Keep serving: fail what was in flight (a bad step must not take the server down).
-                logger.exception("engine step failed; aborting %d in-flight request(s)", len(self._streams))
+                # One request's own failures are isolated inside the step (engine/isolation.py), so this is
+                # the engine itself (forward pass, scheduler, a bug): its state can no longer be trusted.
+                # Fail everything, stop (/health: 503) and let the server exit non-zero (as vLLM does).
+                logger.exception("engine step failed: the engine is dead; failing %d in-flight request(s)",
+                                 len(self._streams))
+                self.error = e
+                self._accepting = False
                 self._fail_all(e)
+                self.jobs.fail_all(EngineDeadError("the engine failed"))
+                return
 
     def _expire_deadlines(self) -> None:
         now = time.time()
@@ -296,14 +239,12 @@ class AsyncLLMEngine:
                 self._release(stream)
 
     def _fail_all(self, error: Exception) -> None:
-        err = RuntimeError(f"the engine failed while running this request: {type(error).__name__}")
+        err = EngineDeadError(f"the engine failed while running this request: {type(error).__name__}")
         for stream in list(self._streams.values()):
             if not stream.accepted.done():
                 stream.accepted.set_exception(err)
             stream.queue.put_nowait(err)
             self._release(stream)
-        with self._lock:
-            self._aborts.update(self.engine.requests)
 
     def _step_sync(self) -> _StepResult:
         """Runs in the worker thread: apply queued adds and aborts, then one engine step."""
@@ -318,7 +259,9 @@ class AsyncLLMEngine:
             try:
                 eng.add_request(a.request_id, a.prompt, a.params, a.arrival_time, a.cache_salt)
             except Exception as e:
-                added[a.request_id] = e
+                # Without its traceback: that holds this frame (and `added`, so itself) in a cycle that
+                # kept a refused request's prompt alive until the next full GC (bench soak: +20 MB each).
+                added[a.request_id] = e.with_traceback(None)
                 continue
             state = eng.requests[a.request_id]
             added[a.request_id] = (state.prompt, list(state.prompt_token_ids))

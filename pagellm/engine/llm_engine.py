@@ -15,6 +15,7 @@ from pagellm.core.scheduler import Scheduler
 from pagellm.engine.admission import prepare_request
 from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.isolation import error_output, sample_isolated
+from pagellm.engine.kv_sizing import fit_max_model_len
 from pagellm.engine.output_processor import RequestState, SequenceState
 from pagellm.model.attention import get_attention_backend
 from pagellm.model.layers.custom_op import CustomOp
@@ -101,12 +102,14 @@ class LLMEngine:
         self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, kv_dtype)
         num_blocks = cache.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes is less than one KV block "
-                             f"({self.bytes_per_block} bytes at block_size={cache.block_size})")
+            raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} bytes is less than one KV block "
+                             f"({self.bytes_per_block} bytes: {cache.block_size} tokens of "
+                             f"{self.bytes_per_block // cache.block_size} bytes)")
         num_host_blocks = args.swap_space // self.bytes_per_block if args.preemption_mode == "swap" else 0
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
         # A sequence can never be longer than the whole cache holds, so that is a length limit too.
-        sched_cfg = args.scheduler_config(min(cfg.max_position_embeddings, self.kv_cache.capacity_tokens))
+        sched_cfg = args.scheduler_config(fit_max_model_len(args.max_model_len, cfg.max_position_embeddings,
+                                                            self.kv_cache.capacity_tokens, cache.kv_cache_memory))
         if not sched_cfg.enable_chunked_prefill:
             # Without chunking, a whole (re-)prefill must fit in one step's budget.
             sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len)
@@ -155,6 +158,9 @@ class LLMEngine:
         prompt_text, prompt_ids, params = prepare_request(prompt_text, prompt_ids, params, self.tokenizer,
                                                           self.model_config.vocab_size, self.max_model_len)
         self._validate_prompt(prompt_ids, params)
+        if params.n > self.scheduler.config.max_num_seqs:  # checked before any sibling is queued
+            raise ValueError(f"n must be <= max_num_seqs ({self.scheduler.config.max_num_seqs}): the n sequences "
+                             f"run at once; got {params.n}")
         arrival_time = arrival_time or time.time()
         if params.use_beam_search:
             self._add_beam_request(request_id, prompt_text, prompt_ids, params, arrival_time, cache_salt)

@@ -131,7 +131,11 @@ def _load() -> tuple[ctypes.CDLL, dict] | None:
         path, isa = _build(cxx, march)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as e:
-        log.warning("could not build the CPU kernels, using the plain torch path: %s", e)
+        # An unwritable or full cache directory lands here too: one line, and the engine runs without them.
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        log.warning("could not build the CPU kernels (%s; the cache is $PAGELLM_CACHE_DIR, default "
+                    "~/.cache/pagellm): using the plain torch path (slower)", first)
+        log.debug("CPU kernel build failure in full: %s", e)
         return None
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)

@@ -99,6 +99,9 @@ class Platform:
         """Wraps weight loading (allocator tuning while tensors churn; memory returned afterwards)."""
         yield
 
+    def release_free_memory(self) -> None:
+        """Hand memory the allocator holds but nothing uses back to the OS (the server calls it when idle)."""
+
     # ---- reporting --------------------------------------------------------------------------
     def describe(self) -> dict[str, str]:
         raise NotImplementedError

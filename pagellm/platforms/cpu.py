@@ -162,6 +162,12 @@ class CpuPlatform(Platform):
         # (measured with SmolLM2); hand them back to the OS before the KV cache is allocated on top.
         _malloc_trim()
 
+    def release_free_memory(self) -> None:
+        # Requests leave freed buffers below the 32 MiB mmap threshold (bodies, prompts, logits rows) in
+        # glibc's arenas, which only return memory from their top: without a trim RSS ratchets up with
+        # every new peak (bench soak: +150 MiB over 10 minutes of SmolLM2 traffic).
+        _malloc_trim()
+
     def describe(self) -> dict[str, str]:
         build = self.kernel_build
         choices = self.op_choices(torch.float32, auto=True)

@@ -17,12 +17,13 @@ from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from pagellm.server.common import ServerContext
 from pagellm.server.errors import APIError, install_error_handlers
+from pagellm.server.middleware import HttpOptions, install_http_guards
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagellm.server.protocol_responses import ResponsesRequest
 from pagellm.server.request_id import RequestIdHeaderMiddleware
 from pagellm.server.routes_misc import invocations_router, tokenizer_info_router, version_router
 from pagellm.server.serving_chat import create_chat_completion, render_chat
-from pagellm.server.serving_chat_tools import ChatSettings
+from pagellm.server.serving_chat_tools import ChatSettings, tokenize_plan
 from pagellm.server.serving_completions import create_completion
 from pagellm.server.serving_embeddings import EmbeddingRequest, create_embedding
 from pagellm.server.serving_responses import ResponseStore, create_response, delete_response, retrieve_response
@@ -111,10 +112,13 @@ async def tokenize(body: TokenizeRequest, request: Request):
     tok = ctx.engine.tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of prompt or messages", param="prompt")
+    if body.prompt is not None and body.chat_only_fields():
+        raise APIError(400, f"{body.chat_only_fields()[0]} only applies to messages", param=body.chat_only_fields()[0])
     # Off the event loop, as for generation: a long prompt must not stall other clients.
     if body.messages is not None:
         ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt,
-                                      bool(body.add_special_tokens))
+                                      bool(body.add_special_tokens), plan=tokenize_plan(body.tools, ctx.chat),
+                                      body=body)
     else:
         ids = await asyncio.to_thread(tok.encode, body.prompt, add_special_tokens=body.add_special_tokens is not False)
     strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -135,7 +139,8 @@ async def detokenize(body: DetokenizeRequest, request: Request):
 def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
               request_timeout: float | None = None, *, enable_request_id_headers: bool = False,
               root_path: str = "", vllm_metric_names: bool = False, enable_tokenizer_info_endpoint: bool = False,
-              disable_fastapi_docs: bool = False, chat: ChatSettings | None = None) -> FastAPI:
+              disable_fastapi_docs: bool = False, chat: ChatSettings | None = None,
+              http: HttpOptions | None = None) -> FastAPI:
     """The app owns the engine loop: started and stopped by its lifespan. root_path: the path prefix a
     proxy serves this app under (it shows in /openapi.json's servers; routes stay at /)."""
     metrics = EngineMetrics(engine, model_names[0], vllm_names=vllm_metric_names)
@@ -165,6 +170,7 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
     app.include_router(invocations_router, dependencies=[Depends(_check_api_key)])
     if enable_tokenizer_info_endpoint:
         app.include_router(tokenizer_info_router)
-    if enable_request_id_headers:
+    install_http_guards(app, http or HttpOptions(), ctx.api_key)  # body cap, key before the body, CORS
+    if enable_request_id_headers:  # outermost: a guard's 401 or 413 carries the id too
         app.add_middleware(RequestIdHeaderMiddleware)
     return app

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from pagellm.engine.async_engine import (
-    AsyncLLMEngine,
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.request_stream import (
+    EngineDeadError,
     EngineStoppedError,
     QueueFullError,
     RequestFailedError,
@@ -27,6 +28,7 @@ from pagellm.server.protocol_structured import compile_structured_outputs
 from pagellm.server.serving_chat_tools import ChatSettings
 
 RETRY_AFTER_S = 1
+MAX_PROMPTS_PER_REQUEST = 2048  # OpenAI's limit on embedding inputs, applied to every prompt list
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
@@ -57,6 +59,9 @@ class ServerContext:
     async def add_all(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
                       prompt_param: str, cache_salt: str | None = None) -> list[RequestStream]:
         """Admit every prompt of a request, or none of them."""
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:  # each is admitted in turn: 10**5 would hold the line
+            raise APIError(400, f"{prompt_param} must hold at most {MAX_PROMPTS_PER_REQUEST} prompts per request, "
+                                f"got {len(prompts)}", param=prompt_param)
         await compile_structured_outputs(self.engine, params)  # off the event loop; invalid: a 400
         streams: list[RequestStream] = []
         try:
@@ -76,6 +81,8 @@ def admission_error(e: BaseException, prompt_param: str) -> BaseException:
         return APIError(503, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineDeadError):  # died while admitting it: the server exits next
+        return APIError(500, str(e), code="engine_error")
     if isinstance(e, ValueError):
         return bad_request(e, prompt_param)
     return e
@@ -162,7 +169,7 @@ async def unless_disconnected(request: Request, work: Awaitable):
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
+    if task.cancelled() or not task.done():  # cancel() above only takes effect at the task's next step
         raise APIError(499, "client closed the request", code="client_closed")
     return task.result()
 

@@ -1,4 +1,5 @@
-"""uvicorn.Server with pagellm's shutdown: stop accepting, drain the engine, exit 0 on SIGINT/SIGTERM."""
+"""uvicorn.Server with pagellm's shutdown: stop accepting, drain the engine, exit 0 on SIGINT/SIGTERM, exit 1
+when the engine died."""
 
 from __future__ import annotations
 
@@ -48,6 +49,20 @@ class GracefulServer(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             host = f"[{host}]" if ":" in host else host
             logger.info("ready: serving %s at http://%s:%d/v1", self.model_name, host, port)
+
+    async def on_tick(self, counter: int) -> bool:
+        # A dead engine serves nothing more: shut down (in-flight requests already got their error) and
+        # exit non-zero, so that a supervisor restarts the process instead of it answering 503 forever.
+        if self.engine.error is not None and not self.should_exit:
+            logger.error("the engine failed (%s: %s): shutting down to exit with status 1",
+                         type(self.engine.error).__name__, self.engine.error)
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    @property
+    def exit_code(self) -> int:
+        """0 after a signal-driven shutdown, 1 when the engine died (also when it died while draining)."""
+        return 0 if self.engine.error is None else 1
 
     async def shutdown(self, sockets=None) -> None:
         # Stop accepting first, then give in-flight requests their grace period; uvicorn's own shutdown

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import os
 
-from pagellm.config import EngineArgs
+from pagellm.config import EngineArgs, parse_bytes
+from pagellm.server.middleware import HttpOptions
 from pagellm.server.tool_parsers import TOOL_PARSERS
+
+logger = logging.getLogger("pagellm")
 
 
 def add_serve_parser(sub) -> None:
@@ -18,6 +23,17 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELLM_API_KEY)")
+    s.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from the first line of PATH (keeps it out of `ps` and the shell history)")
+    s.add_argument("--protect-metrics", action="store_true",
+                   help="require the API key on /metrics, /health and /ping too (default: open, for probes)")
+    s.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="allow browser pages from these origins (CORS, e.g. https://app.example.com; '*' for "
+                        "any); default: none, CORS off")
+    s.add_argument("--max-request-body-bytes", default="32MiB", metavar="SIZE",
+                   help="answer 413 to a request body larger than this, before reading it all (default 32MiB)")
+    s.add_argument("--log-requests", "--enable-log-requests", action="store_true",
+                   help="log each request's prompt and output (default: never logged)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: --model as given, or the model file's name)")
     s.add_argument("--max-queue-len", type=int, default=None, metavar="N",
@@ -41,6 +57,8 @@ def add_serve_parser(sub) -> None:
                    help="do not serve /openapi.json, /docs and /redoc")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="jinja chat template to use instead of the model's (a file, or the template text)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run a chat_template sent with a request (sandboxed jinja; refused by default, as vLLM)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let tool_choice "auto" (the default with tools) read calls from the text; needs '
                         "--tool-call-parser")
@@ -61,6 +79,28 @@ def default_model_name(model_arg: str | None, model_path: str) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+def resolve_api_key(ns: argparse.Namespace) -> str | None:
+    """--api-key-file's first line, else --api-key (whose default is $PAGELLM_API_KEY); never both."""
+    if ns.api_key_file is None:
+        return ns.api_key or None
+    if ns.api_key and ns.api_key != os.environ.get("PAGELLM_API_KEY"):
+        raise ValueError("give the API key once: --api-key or --api-key-file, not both")
+    with open(ns.api_key_file, encoding="utf-8") as f:
+        key = f.readline().strip()
+    if not key:
+        raise ValueError(f"--api-key-file {ns.api_key_file}: the first line is empty")
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
 def serve(ns: argparse.Namespace) -> int:
     from pagellm.engine.async_engine import AsyncLLMEngine
     from pagellm.engine.llm_engine import LLMEngine
@@ -71,18 +111,27 @@ def serve(ns: argparse.Namespace) -> int:
 
     if ns.max_queue_len is not None and ns.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {ns.max_queue_len}")
+    api_key = resolve_api_key(ns)
+    http = HttpOptions(parse_bytes(ns.max_request_body_bytes), ns.protect_metrics, ns.allowed_origins)
+    if http.protect_metrics and not api_key:
+        raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or $PAGELLM_API_KEY)")
+    if not api_key and not is_loopback(ns.host):
+        logger.warning("serving on %s without an API key: anyone who can reach this address can use the model "
+                       "(set --api-key-file, --api-key or $PAGELLM_API_KEY)", ns.host)
     # Flags checked before the model loads, so a typo fails in a second.
     chat = ChatSettings(load_chat_template(ns.chat_template) if ns.chat_template else None,
-                        ns.enable_auto_tool_choice, ns.tool_call_parser)
+                        ns.enable_auto_tool_choice, ns.tool_call_parser, ns.trust_request_chat_template)
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
     names = ns.served_model_name or [default_model_name(ns.model, engine.model_path)]
     async_engine = AsyncLLMEngine(engine, max_queue_len=ns.max_queue_len)
-    app = build_app(async_engine, names, api_key=ns.api_key, request_timeout=ns.request_timeout,
+    async_engine.log_requests = ns.log_requests
+    app = build_app(async_engine, names, api_key=api_key, request_timeout=ns.request_timeout,
                     enable_request_id_headers=ns.enable_request_id_headers, root_path=ns.root_path,
                     vllm_metric_names=ns.vllm_metric_names,
                     enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
-                    disable_fastapi_docs=ns.disable_fastapi_docs, chat=chat)
+                    disable_fastapi_docs=ns.disable_fastapi_docs, chat=chat, http=http)
     app.state.ctx.return_tokens_as_token_ids = ns.return_tokens_as_token_ids
     config = uvicorn_config(app, ns.host, ns.port, ns.uvicorn_log_level)
-    GracefulServer(config, async_engine, names[0], ns.shutdown_timeout).run()
-    return 0
+    server = GracefulServer(config, async_engine, names[0], ns.shutdown_timeout)
+    server.run()
+    return server.exit_code

@@ -73,25 +73,30 @@ def _top(entry: dict[int, Logprob], top_n: int, token: int) -> dict[int, Logprob
     return {tid: lp for tid, lp in entry.items() if tid == token or (lp.rank is not None and lp.rank <= top_n)}
 
 
-def echo_logprobs(out: RequestOutput, top_n: int, decode) -> dict:
+def echo_logprobs(out: RequestOutput, top_n: int, decode, as_ids: bool = False) -> dict:
     """The legacy completions logprobs of the prompt (first token: null logprob and null top_logprobs),
-    text offsets from 0; the completion's own entries follow at the offset of the echoed text's end."""
+    text offsets from 0; the completion's own entries follow at the offset of the echoed text's end.
+    as_ids (return_tokens_as_token_ids): tokens spelled "token_id:N", offsets still count the text."""
     res: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
     entries = out.prompt_logprobs or [None]
+
+    def spelled(tid: int, text: str) -> str:
+        return f"token_id:{tid}" if as_ids else text
+
     for j, tid in enumerate(out.prompt_token_ids):
         entry = entries[j] if j < len(entries) else None
         if entry is None:
-            token, lp, top = decode(tid), None, None
+            text, lp, top = decode(tid), None, None
         else:
-            token = entry[tid].decoded_token or ""
+            text = entry[tid].decoded_token or ""
             lp = _lp(entry[tid].logprob)
-            top = {(e.decoded_token or ""): _lp(e.logprob) for e in _top(entry, top_n, tid).values()}
-        res["tokens"].append(token)
+            top = {spelled(t, e.decoded_token or ""): _lp(e.logprob) for t, e in _top(entry, top_n, tid).items()}
+        res["tokens"].append(spelled(tid, text))
         res["token_logprobs"].append(lp)
         res["top_logprobs"].append(top)
         res["text_offset"].append(offset)
-        offset += len(token)
+        offset += len(text)
     return res
 
 

@@ -229,6 +229,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # this request's template (needs --trust-request-chat-template)
+    add_special_tokens: bool = False  # the tokenizer's BOS etc. on top of the template's (vLLM's default)
 
     def engine_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -245,9 +247,20 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # messages only: the chat request's templating fields, so the count matches what it would be sent
+    tools: list[ChatTool] | None = None
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+
+    def chat_only_fields(self) -> list[str]:
+        """The messages-only fields this request sets (refused with a prompt rather than ignored)."""
+        names = ("tools", "continue_final_message", "documents", "chat_template_kwargs", "chat_template")
+        return [n for n in names if getattr(self, n)]
 
 
 class DetokenizeRequest(_Body):

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pagellm.engine.admission import truncate_prompt
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.errors import APIError, bad_request
+from pagellm.server.request_limits import check_limits
 
 logger = logging.getLogger("pagellm")
 
@@ -69,7 +70,9 @@ REFUSED: dict[str, tuple[Callable[[object], bool], str]] = {
 
 
 def check_request(body) -> None:
-    """Refuse what cannot be honoured: fields of REFUSED (unless harmless), stream_options without stream."""
+    """Refuse what cannot be honoured: fields of REFUSED (unless harmless), stream_options without stream,
+    lists longer than their caps (server/request_limits.py)."""
+    check_limits(body)
     extra = body.model_extra or {}
     for name, value in extra.items():
         rule = REFUSED.get(name)

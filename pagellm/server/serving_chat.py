@@ -27,7 +27,7 @@ from pagellm.server.common import (
 )
 from pagellm.server.errors import APIError, bad_request
 from pagellm.server.prompt_logprobs import check_prompt_logprobs, vllm_prompt_logprobs, with_prompt_logprobs
-from pagellm.server.protocol import ChatCompletionRequest, ChatMessage
+from pagellm.server.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from pagellm.server.request_checks import check_request, prepare_prompts
 from pagellm.server.request_id import base_request_id
 from pagellm.server.serving_chat_tools import ChoiceDeltas, ToolPlan, plan_tools, render_prompt
@@ -35,19 +35,25 @@ from pagellm.server.serving_chat_tools import ChoiceDeltas, ToolPlan, plan_tools
 
 def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 add_special_tokens: bool = False, *, plan: ToolPlan | None = None,
-                body: ChatCompletionRequest | None = None) -> list[int]:
-    """Messages -> prompt token ids. The template already writes any BOS, hence no special tokens.
-    `plan` brings the tools, `body` vLLM's templating fields (documents, continue_final_message, ...)."""
+                body: ChatCompletionRequest | TokenizeRequest | None = None) -> list[int]:
+    """Messages -> prompt token ids. The template already writes any BOS, hence no special tokens by
+    default. `plan` brings the tools, `body` vLLM's templating fields (documents, continue_final_message,
+    chat_template_kwargs, chat_template)."""
     tok = ctx.engine.tokenizer
     extras = {} if body is None else {"documents": body.documents, "chat_template_kwargs": body.chat_template_kwargs,
-                                      "continue_final_message": body.continue_final_message}
+                                      "continue_final_message": body.continue_final_message,
+                                      "chat_template": body.chat_template}
+    template_param = "chat_template" if extras.get("chat_template") else "messages"  # whose template failed
     try:
         text = render_prompt(tok, ctx.chat, [m.to_template_dict() for m in messages], add_generation_prompt,
                              plan, **extras)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     except jinja2.TemplateError as e:  # templates reject e.g. non-alternating roles with raise_exception
-        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        raise APIError(400, f"the chat template rejected the messages: {e}", param=template_param) from None
+    except (TypeError, ArithmeticError) as e:  # a template's expression failed on what the client sent
+        raise APIError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                       param=template_param) from None
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -58,8 +64,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     plan = plan_tools(body, ctx.chat)
     # Off the event loop: templating and encoding a long conversation must not stall other clients.
-    prompt_ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt, plan=plan,
-                                         body=body)
+    prompt_ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt,
+                                         body.add_special_tokens, plan=plan, body=body)
     if max_tokens is None and body.use_beam_search:  # beams need a length limit: the rest of the context
         max_tokens = max(ctx.engine.max_model_len - len(prompt_ids), 1)
     try:

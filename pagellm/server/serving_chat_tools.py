@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pagellm.chat_template import flatten_content, template_variables
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.chat_templates import render_tool_prompt
 from pagellm.server.errors import APIError
@@ -28,7 +29,7 @@ from pagellm.server.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
-from pagellm.tokenizer import Tokenizer, flatten_content, template_variables
+from pagellm.tokenizer import Tokenizer
 
 # Names the server passes to the template itself; chat_template_kwargs may not replace them.
 _RESERVED_TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
@@ -42,6 +43,9 @@ class ChatSettings:
     chat_template: str | None = None  # --chat-template: replaces the model's template
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # --trust-request-chat-template: a request's own chat_template is code the server runs (sandboxed, but
+    # a loop can still burn CPU), so as in vLLM it is refused unless the operator allows it.
+    trust_request_chat_template: bool = False
 
     def __post_init__(self):
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
@@ -177,6 +181,13 @@ def plan_tools(body: ChatCompletionRequest, settings: ChatSettings) -> ToolPlan:
     return plan
 
 
+def tokenize_plan(tools, settings: ChatSettings) -> ToolPlan:
+    """/tokenize with tools: the prompt a chat request with these tools and tool_choice "auto" would get."""
+    history = get_tool_parser(settings.tool_call_parser or "hermes")
+    dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    return ToolPlan(tools=dicts, choice="auto" if dicts else "none", history_parser=history)
+
+
 def _parameters(schema: dict | None) -> dict:
     return schema if schema else {"type": "object", "properties": {}}
 
@@ -195,15 +206,20 @@ def _required_schema(tools, parallel: bool) -> dict:
 
 def render_prompt(tok: Tokenizer, settings: ChatSettings, messages: list[dict], add_generation_prompt: bool,
                   plan: ToolPlan | None = None, documents: list[dict] | None = None,
-                  continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
-    """Messages (template dicts) -> prompt text through the model's template or --chat-template."""
+                  continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                  chat_template: str | None = None) -> str:
+    """Messages (template dicts) -> prompt text through the request's chat_template (if the server trusts
+    them), else --chat-template, else the model's template."""
     plan = plan or ToolPlan(history_parser=get_tool_parser(settings.tool_call_parser or "hermes"))
     kwargs = dict(chat_template_kwargs or {})
     clash = sorted(set(kwargs) & set(_RESERVED_TEMPLATE_NAMES))
     if clash:
         raise APIError(400, f"chat_template_kwargs must not set {', '.join(clash)}: send them as request fields",
                        param="chat_template_kwargs")
-    source = tok.chat_template_source(bool(plan.tools), settings.chat_template)
+    if chat_template is not None and not settings.trust_request_chat_template:
+        raise APIError(400, "chat_template: this server does not run chat templates sent with requests (start "
+                            "it with --trust-request-chat-template to allow them)", param="chat_template")
+    source = tok.chat_template_source(bool(plan.tools), chat_template or settings.chat_template)
     variables = template_variables(source)
     if documents and "documents" not in variables:
         raise APIError(400, "documents: this model's chat template does not render documents; put them in a "

@@ -94,7 +94,7 @@ def _response(body: CompletionRequest, outputs: list[RequestOutput], rid: str, c
                 lps = completion_logprobs(sampled_logprobs(c, 0, len(c.token_ids)), len(prefix),
                                           body.return_tokens_as_token_ids)
                 if body.echo:
-                    lps = joined(echo_logprobs(out, body.logprobs, _decoder(ctx)), lps)
+                    lps = joined(echo_logprobs(out, body.logprobs, _decoder(ctx), body.return_tokens_as_token_ids), lps)
             choices.append({"index": i * body.n + c.index, "text": prefix + c.text, "logprobs": lps,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                             "prompt_logprobs": vllm_prompt_logprobs(out, body.prompt_logprobs)})
@@ -144,7 +144,8 @@ async def _stream(body: CompletionRequest, streams, rid: str, created: int, mode
                     sent_tokens[idx] = end
                     offsets[idx] = offsets.get(idx, 0) + sum(len(e[t].decoded_token or "") for t, e in entries)
                     if first and body.echo:  # the prompt's entries open the choice, as its text does
-                        lps = joined(echo_logprobs(out, body.logprobs, _decoder(ctx)), lps)
+                        lps = joined(echo_logprobs(out, body.logprobs, _decoder(ctx),
+                                                   body.return_tokens_as_token_ids), lps)
                 sent_text[idx] = len(c.text)
                 if c.finished:
                     done.add(idx)

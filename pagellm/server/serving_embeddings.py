@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Strict
 
-from pagellm.engine.async_engine import EngineStoppedError
 from pagellm.engine.embedding import embed
+from pagellm.engine.request_stream import EngineStoppedError
 from pagellm.server.common import ServerContext, admission_error, now_s, unless_disconnected
 from pagellm.server.errors import APIError
 

@@ -149,6 +149,9 @@ def _render(ctx: ServerContext, chat: ChatCompletionRequest, plan: ToolPlan) -> 
         raise APIError(400, str(e), param="input") from None
     except jinja2.TemplateError as e:
         raise APIError(400, f"the chat template rejected the conversation: {e}", param="input") from None
+    except (TypeError, ArithmeticError) as e:  # a template's expression failed on this conversation
+        raise APIError(400, f"the chat template failed on this conversation: {type(e).__name__}: {e}",
+                       param="input") from None
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -230,6 +233,9 @@ def _as_messages(items: list[dict]) -> list[dict]:
     for item in items:
         if item["type"] == "message":
             messages.append({"role": "assistant", "content": item["content"][0]["text"]})
+        elif not _is_json_object(item["arguments"]):
+            # a call cut by max_output_tokens: replayed as the text it was, since it cannot be a call
+            messages.append({"role": "assistant", "content": item["arguments"]})
         else:
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -240,6 +246,13 @@ def _as_messages(items: list[dict]) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
     return messages
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 class _Events:

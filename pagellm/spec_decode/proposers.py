@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,8 @@ from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagellm.request import Request
 from pagellm.sample.sampler import Sampler, SamplingRow, sampling_probs
 from pagellm.spec_decode.ngram import propose_ngram
+
+logger = logging.getLogger("pagellm")
 
 
 class Proposer:
@@ -61,6 +64,12 @@ class _DraftSeq:
         return len(self.all_token_ids)
 
 
+def _no_drafts(req: Request, e: Exception) -> None:
+    # Drafting is an optimisation: a request whose parameters break it is verified without (more) drafts,
+    # and if those parameters also break the target's sampling, engine/isolation.py fails it alone.
+    logger.warning("draft model: request %s drafts no further (%s: %s)", req.request_id, type(e).__name__, e)
+
+
 class DraftModelProposer(Proposer):
     """A smaller model with the same vocabulary drafts k tokens autoregressively, in its own paged KV
     cache. Its KV for accepted tokens is kept; for rejected ones it is rolled back."""
@@ -81,11 +90,16 @@ class DraftModelProposer(Proposer):
         for req in running:
             req.clear_spec()
             if self.budget(req) > 0:
-                active.append((req, self._sync(req)))
+                try:
+                    active.append((req, self._sync(req)))
+                except Exception as e:  # its own parameters (e.g. the seed): it goes on without drafts
+                    _no_drafts(req, e)
         drafts: dict[str, list[int]] = {req.request_id: [] for req, _ in active}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in active}
+        failed: set[str] = set()
         for step in range(self.k):
-            batch = [(req, seq) for req, seq in active if step < self.budget(req)]
+            batch = [(req, seq) for req, seq in active
+                     if step < self.budget(req) and req.request_id not in failed]
             scheduled = []
             for _, seq in batch:
                 n = seq.num_tokens - seq.num_computed_tokens
@@ -99,7 +113,12 @@ class DraftModelProposer(Proposer):
             for j, s in enumerate(done):
                 req, seq = by_id[s.request.request_id], s.request
                 seq.num_computed_tokens += s.num_new_tokens
-                token, q = self._draw(req, seq, logits[j:j + 1], drafts[req.request_id])
+                try:
+                    token, q = self._draw(req, seq, logits[j:j + 1], drafts[req.request_id])
+                except Exception as e:  # one request's sampling parameters: it keeps the drafts it has
+                    failed.add(req.request_id)
+                    _no_drafts(req, e)
+                    continue
                 drafts[req.request_id].append(token)
                 if q is not None:
                     probs[req.request_id].append(q)
@@ -115,7 +134,8 @@ class DraftModelProposer(Proposer):
         if seq is None:
             gen = None
             if req.params.seed is not None:
-                gen = torch.Generator(device=self.runner.device).manual_seed(req.params.seed + 1)
+                seed = req.params.seed + 1 if req.params.seed + 1 < 2**64 else 0  # the largest seed wraps
+                gen = torch.Generator(device=self.runner.device).manual_seed(seed)
             seq = self.seqs[req.request_id] = _DraftSeq(req.request_id, [], generator=gen)
         common = 0
         limit = min(len(seq.all_token_ids), req.num_tokens)

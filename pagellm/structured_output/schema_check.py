@@ -42,6 +42,10 @@ def unsupported_schema_feature(schema, path: str = "") -> str | None:
         return f"'uniqueItems': true{where} is not supported"
     if "multipleOf" in schema and _types(schema) != {"integer"}:
         return f"'multipleOf'{where} is supported only for \"type\": \"integer\""
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        # Only references inside the schema: a file or URL is never fetched, and ignoring it would be silent.
+        return f"'$ref': {ref!r}{where} is not supported: only references within the schema ('#/...')"
     fmt = schema.get("format")
     if fmt is not None and fmt not in SUPPORTED_FORMATS:
         return (f"the string format {fmt!r}{where} is not supported (supported: "

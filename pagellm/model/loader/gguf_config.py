@@ -7,69 +7,102 @@ import math
 import numpy as np
 
 from pagellm.config import ModelConfig
+from pagellm.model.loader import model_checks as checks
 from pagellm.model.loader.gguf_reader import GGUFFile
+from pagellm.model.loader.model_file_error import ModelFileError
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+_REQUIRED = object()
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def gguf_config(gf: GGUFFile) -> ModelConfig:
     arch = gf.architecture
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        raise ModelFileError(gf.path, f"unsupported GGUF architecture {_short(arch)}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHS)}", "general.architecture")
     md = gf.metadata
-    hidden = int(gf.arch_key("embedding_length"))
-    heads = int(gf.arch_key("attention.head_count"))
-    kv_heads = gf.arch_key("attention.head_count_kv", heads)
+
+    def num(key: str, default=_REQUIRED, kind=checks.require_int, **bounds):
+        full = f"{arch}.{key}"
+        value = md.get(full, default)
+        if value is _REQUIRED:
+            raise ModelFileError(gf.path, "metadata key is missing", full)
+        if value is None:
+            return None
+        return kind(gf.path, full, value, **bounds)
+
+    hidden = num("embedding_length", low=1)
+    heads = num("attention.head_count", low=1)
+    kv_heads = md.get(f"{arch}.attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer counts exist in some archs; dense models repeat one value
-        kv_heads = kv_heads[0]
-    vocab = gf.arch_key("vocab_size")
+        kv_heads = kv_heads[0] if kv_heads else None
+    kv_heads = checks.require_int(gf.path, f"{arch}.attention.head_count_kv", kv_heads, low=1)
+    vocab = md.get(f"{arch}.vocab_size")
     if vocab is None:
         embd = gf.tensors.get("token_embd.weight")
-        vocab = embd.shape[0] if embd is not None else len(md["tokenizer.ggml.tokens"])
-    head_dim = gf.arch_key("attention.key_length") or hidden // heads
-    theta = float(gf.arch_key("rope.freq_base", 10000.0))
+        vocab = embd.shape[0] if embd is not None else len(md.get("tokenizer.ggml.tokens") or ())
+    head_dim = num("attention.key_length", None, low=1) or hidden // heads
+    theta = num("rope.freq_base", 10000.0, kind=checks.require_number)
     eos_ids = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                "tokenizer.ggml.eom_token_id") if k in md]
-    window = gf.arch_key("attention.sliding_window")
-    return ModelConfig(
+    window = num("attention.sliding_window", None, low=0)
+    if heads % kv_heads:
+        raise ModelFileError(gf.path, f"head count {heads} is not a multiple of the KV head count {kv_heads}",
+                             f"{arch}.attention.head_count_kv")
+    cfg = ModelConfig(
         architecture=arch,
-        vocab_size=int(vocab),
+        vocab_size=checks.require_int(gf.path, f"{arch}.vocab_size", vocab, low=1),
         hidden_size=hidden,
-        intermediate_size=int(gf.arch_key("feed_forward_length")),
-        num_hidden_layers=int(gf.arch_key("block_count")),
+        intermediate_size=num("feed_forward_length", low=1),
+        num_hidden_layers=num("block_count", low=1),
         num_attention_heads=heads,
-        num_key_value_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(gf.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=num("attention.layer_norm_rms_epsilon", 1e-6, kind=checks.require_number),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(gf, theta, int(head_dim)),
-        max_position_embeddings=int(gf.arch_key("context_length", 2048)),
+        rope_scaling=None,
+        max_position_embeddings=num("context_length", 2048, low=1, high=checks.MAX_CONTEXT_LENGTH),
         tie_word_embeddings="output.weight" not in gf.tensors,
         attention_bias="blk.0.attn_q.bias" in gf.tensors,
-        sliding_window=int(window) if window else None,
+        sliding_window=window or None,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
     )
+    checks.check_config_values(gf.path, cfg)
+    checks.check_weight_shapes(gf.path, cfg, {n: t.shape for n, t in gf.tensors.items()}, gguf_names=True)
+    cfg.rope_scaling = _rope_scaling(gf, theta, head_dim)
+    return cfg
 
 
 def _rope_scaling(gf: GGUFFile, theta: float, head_dim: int) -> dict | None:
+    key = f"{gf.architecture}.rope.scaling."
     kind = gf.arch_key("rope.scaling.type")
     factor = gf.arch_key("rope.scaling.factor")
     orig = gf.arch_key("rope.scaling.original_context_length")
     if kind in ("linear", "yarn") and factor:
-        out = {"rope_type": kind, "factor": float(factor)}
+        out = {"rope_type": kind, "factor": checks.require_number(gf.path, key + "factor", factor)}
         if orig:
-            out["original_max_position_embeddings"] = int(orig)
+            out["original_max_position_embeddings"] = checks.require_int(
+                gf.path, key + "original_context_length", orig, low=1, high=checks.MAX_CONTEXT_LENGTH)
         if kind == "yarn":
-            for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                            ("attn_factor", "attention_factor")):
-                if (v := gf.arch_key(f"rope.scaling.{key}")) is not None:
-                    out[hf] = float(v)
+            for name, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                             ("attn_factor", "attention_factor")):
+                if (v := gf.arch_key(f"rope.scaling.{name}")) is not None:
+                    out[hf] = checks.require_number(gf.path, key + name, v)
         return out
     if kind not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+        raise ModelFileError(gf.path, f"unsupported rope scaling type {_short(kind)}", key + "type")
     if "rope_freqs.weight" in gf.tensors:
         # Llama 3.x GGUFs store precomputed per-frequency factors instead of the scaling parameters.
+        info = gf.tensors["rope_freqs.weight"]
+        if info.qtype.name != "F32" or info.nbytes == 0:
+            raise ModelFileError(gf.path, f"expected float32 factors, got {info.qtype.name} "
+                                 f"{list(info.shape)}", "rope_freqs.weight")
         freqs = np.frombuffer(gf.raw("rope_freqs.weight").tobytes(), dtype=np.float32)
         return _llama3_scaling_from_factors(freqs, theta, head_dim)
     return None

@@ -1,0 +1,121 @@
+"""Checks of a model's config against itself and against the shapes of the tensors its files hold.
+
+They run on header data only (no weights read, no torch), before the model is built: a corrupt or
+bit-flipped size field must end in a ModelFileError naming it, not in an allocation sized by it. Every
+dimension the model allocates is then confirmed by a tensor the file really holds (and so bounded by the
+file's size), except the context length, which only sizes the rotary tables and is capped here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pagellm.config import ModelConfig
+from pagellm.model.loader.model_file_error import ModelFileError
+
+# Longer than any released model's context (10M); a bit-flipped length would size rotary tables by it.
+MAX_CONTEXT_LENGTH = 1 << 24
+
+# (GGUF tensor suffix, Hugging Face parameter suffix) of one decoder layer -> shape from the config.
+_LAYER_WEIGHTS = {
+    ("attn_q.weight", "self_attn.q_proj.weight"): lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size),
+    ("attn_k.weight", "self_attn.k_proj.weight"): lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size),
+    ("attn_v.weight", "self_attn.v_proj.weight"): lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size),
+    ("attn_output.weight", "self_attn.o_proj.weight"): lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim),
+    ("ffn_gate.weight", "mlp.gate_proj.weight"): lambda c: (c.intermediate_size, c.hidden_size),
+    ("ffn_up.weight", "mlp.up_proj.weight"): lambda c: (c.intermediate_size, c.hidden_size),
+    ("ffn_down.weight", "mlp.down_proj.weight"): lambda c: (c.hidden_size, c.intermediate_size),
+    ("attn_norm.weight", "input_layernorm.weight"): lambda c: (c.hidden_size,),
+    ("ffn_norm.weight", "post_attention_layernorm.weight"): lambda c: (c.hidden_size,),
+}
+# Optional: checked when present, never required.
+_LAYER_BIASES = {
+    ("attn_q.bias", "self_attn.q_proj.bias"): lambda c: (c.num_attention_heads * c.head_dim,),
+    ("attn_k.bias", "self_attn.k_proj.bias"): lambda c: (c.num_key_value_heads * c.head_dim,),
+    ("attn_v.bias", "self_attn.v_proj.bias"): lambda c: (c.num_key_value_heads * c.head_dim,),
+}
+_GLOBAL = {
+    ("token_embd.weight", "model.embed_tokens.weight"): lambda c: (c.vocab_size, c.hidden_size),
+    ("output_norm.weight", "model.norm.weight"): lambda c: (c.hidden_size,),
+    ("output.weight", "lm_head.weight"): lambda c: (c.vocab_size, c.hidden_size),
+}
+
+
+def expected_shapes(cfg: ModelConfig, gguf_names: bool) -> tuple[dict[str, tuple], set[str]]:
+    """(name -> shape for every tensor the model can take, names it cannot do without)."""
+    k = 0 if gguf_names else 1
+    shapes, required = {}, set()
+    for names, shape in _GLOBAL.items():
+        shapes[names[k]] = shape(cfg)
+        if names[0] != "output.weight" or not cfg.tie_word_embeddings:
+            required.add(names[k])
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"blk.{i}." if gguf_names else f"model.layers.{i}."
+        for table, needed in ((_LAYER_WEIGHTS, True), (_LAYER_BIASES, False)):
+            for names, shape in table.items():
+                shapes[prefix + names[k]] = shape(cfg)
+                if needed:
+                    required.add(prefix + names[k])
+    return shapes, required
+
+
+def check_weight_shapes(path: str, cfg: ModelConfig, found: dict[str, tuple], gguf_names: bool) -> None:
+    """Every tensor the model needs is in `found` (name -> shape in [out, in] order) with its shape."""
+    if cfg.num_hidden_layers * len(_LAYER_WEIGHTS) > len(found):  # bounds the loops below by the file
+        raise ModelFileError(path, f"the config says {cfg.num_hidden_layers} layers but the file holds only "
+                             f"{len(found)} tensors", "num_hidden_layers")
+    shapes, required = expected_shapes(cfg, gguf_names)
+    for name in sorted(required - found.keys(), key=_layer_order):
+        raise ModelFileError(path, f"tensor is missing (the config says {cfg.num_hidden_layers} layers, "
+                             f"hidden size {cfg.hidden_size})", name)
+    for name, shape in found.items():
+        want = shapes.get(name)
+        if want is not None and tuple(shape) != want:
+            raise ModelFileError(path, f"shape {list(shape)} does not match the config's {list(want)}", name)
+
+
+def _layer_order(name: str) -> tuple:
+    parts = name.split(".")
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in parts)
+
+
+def check_config_values(path: str, cfg: ModelConfig) -> None:
+    """Values ModelConfig's arithmetic or the model's tables would trip over, each named."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        require_int(path, name, getattr(cfg, name), low=1)
+    require_int(path, "max_position_embeddings", cfg.max_position_embeddings, low=1, high=MAX_CONTEXT_LENGTH)
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ModelFileError(path, f"num_attention_heads {cfg.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {cfg.num_key_value_heads}", "num_key_value_heads")
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = getattr(cfg, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ModelFileError(path, f"must be a positive finite number, got {value!r}", name)
+    if cfg.sliding_window is not None:
+        require_int(path, "sliding_window", cfg.sliding_window, low=1)
+    for i in [cfg.bos_token_id, *cfg.eos_token_ids]:
+        if i is not None:
+            require_int(path, "bos/eos token id", i, low=0, high=cfg.vocab_size - 1)
+
+
+def require_int(path: str, name: str, value, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelFileError(path, f"must be an integer, got {_short(value)}", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ModelFileError(path, f"must be {bounds}, got {value}", name)
+    return value
+
+
+def require_number(path: str, name: str, value, low: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModelFileError(path, f"must be a number, got {_short(value)}", name)
+    if low is not None and not value >= low:  # also refuses NaN
+        raise ModelFileError(path, f"must be >= {low}, got {value}", name)
+    return float(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

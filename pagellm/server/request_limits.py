@@ -1,0 +1,30 @@
+"""Caps on the lists a request may carry, so that no client makes the server allocate or scan without bound.
+
+The body itself is capped first (`--max-request-body-bytes`, server/middleware.py); within it, a few
+fields would still cost far more than their bytes: every stop string and stop token id is checked at each
+generated token (in the engine step, slowing every request in the batch), every bad word is tokenized at
+admission, and each chat message is rendered through the template and tokenized (10**6 one-letter
+messages, 29 MiB of JSON, took 27 s and 3.2 GB before this cap). The limits sit far above real use
+(OpenAI allows 4 stop strings); `n`, `best_of` and the beam width are bounded by `--max-num-seqs` in the
+engine, `logprobs` by 20, prompt tokens by max_model_len and logit_bias keys by the vocabulary.
+"""
+
+from __future__ import annotations
+
+from pagellm.server.errors import APIError
+
+MAX_STOP_STRINGS = 256
+MAX_STOP_TOKEN_IDS = 4096
+MAX_BAD_WORDS = 1024
+MAX_MESSAGES = 16384
+
+_LIMITS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS, "bad_words": MAX_BAD_WORDS,
+           "messages": MAX_MESSAGES}
+
+
+def check_limits(body) -> None:
+    """A 400 naming the field when one of the capped lists of a request body is longer than its cap."""
+    for name, cap in _LIMITS.items():
+        value = getattr(body, name, None)
+        if isinstance(value, list) and len(value) > cap:
+            raise APIError(400, f"{name} must have at most {cap} items, got {len(value)}", param=name)
