@@ -275,6 +275,8 @@ HOSTILE = {  # name: (path, body, status, param)
     "prompt list": ("/v1/completions", {"prompt": ["hi"] * 10**5}, 400, "prompt"),
     "prompt tokens": ("/v1/completions", {"prompt": [5] * 10**6}, 400, None),
     "max_tokens": ("/v1/completions", {"prompt": "hi", "max_tokens": 10**18}, 400, "max_tokens"),
+    "embedding inputs": ("/v1/embeddings", {"input": ["hi"] * 10**5}, 400, "input"),
+    "responses input": ("/v1/responses", {"input": [{"role": "user", "content": "a"}] * 10**5}, 400, "input"),
 }
 
 

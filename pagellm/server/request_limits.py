@@ -17,14 +17,18 @@ MAX_STOP_STRINGS = 256
 MAX_STOP_TOKEN_IDS = 4096
 MAX_BAD_WORDS = 1024
 MAX_MESSAGES = 16384
+MAX_INPUTS = 2048  # /v1/embeddings inputs (OpenAI's own limit); /v1/responses input items use MAX_MESSAGES
 
 _LIMITS = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS, "bad_words": MAX_BAD_WORDS,
            "messages": MAX_MESSAGES}
 
 
+def check_list_length(name: str, value, cap: int) -> None:
+    if isinstance(value, list) and len(value) > cap:
+        raise APIError(400, f"{name} must have at most {cap} items, got {len(value)}", param=name)
+
+
 def check_limits(body) -> None:
     """A 400 naming the field when one of the capped lists of a request body is longer than its cap."""
     for name, cap in _LIMITS.items():
-        value = getattr(body, name, None)
-        if isinstance(value, list) and len(value) > cap:
-            raise APIError(400, f"{name} must have at most {cap} items, got {len(value)}", param=name)
+        check_list_length(name, getattr(body, name, None), cap)

@@ -36,6 +36,7 @@ from pagellm.server.errors import APIError, bad_request
 from pagellm.server.protocol import ChatCompletionRequest
 from pagellm.server.protocol_responses import NamedToolChoice, ResponsesRequest, items_to_messages
 from pagellm.server.request_id import base_request_id
+from pagellm.server.request_limits import MAX_MESSAGES, check_list_length
 from pagellm.server.serving_chat_tools import ToolPlan, plan_tools, render_prompt
 
 RESPONSE_STORE_SIZE = 1024
@@ -95,6 +96,7 @@ def not_found(response_id: str) -> APIError:
 
 async def create_response(body: ResponsesRequest, request: Request, ctx: ServerContext):
     model = ctx.check_model(body.model)
+    check_list_length("input", body.input, MAX_MESSAGES)  # every item is rendered through the template
     try:
         body.refuse_unsupported()
         params = body.to_sampling_params()
