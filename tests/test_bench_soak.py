@@ -117,11 +117,10 @@ def test_a_refused_prompt_is_freed_at_once_not_by_the_cyclic_gc(tiny_hf_model, s
 @pytest.fixture(scope="module")
 def server(tiny_hf_model, smollm_gguf_path, tmp_path_factory):
     path = tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
-    s = Server(["--model", path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "16MiB", "--max-queue-len", "4"], tmp_path_factory.mktemp("soak") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
+                         "--kv-cache-memory", "16MiB", "--max-queue-len", "4"],
+                        tmp_path_factory.mktemp("soak") / "server.log") as s:
+        yield s
 
 
 def test_short_soak_loses_nothing_and_leaves_the_server_idle(server, tmp_path):

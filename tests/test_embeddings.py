@@ -65,17 +65,15 @@ def test_offline_embeddings_equal_transformers(llm, hf, pooling):
 
 @pytest.fixture(scope="module")
 def server(wide_path, smollm_gguf_path, tmp_path_factory):
-    s = Server(["--model", wide_path, "--tokenizer", smollm_gguf_path, "--served-model-name", SERVED,
-                "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "16"],
-               tmp_path_factory.mktemp("srv") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", wide_path, "--tokenizer", smollm_gguf_path, "--served-model-name", SERVED,
+                         "--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "16"],
+                        tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 def test_openai_client_embeddings(client, llm, hf):

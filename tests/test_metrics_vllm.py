@@ -62,11 +62,10 @@ def values(text: str, prefix: str = "pagellm") -> dict[str, float]:
 @pytest.fixture(scope="module")
 def server(tiny_hf_model, smollm_gguf_path, tmp_path_factory):
     path = tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
-    s = Server(["--model", path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "16MiB", "--vllm-metric-names"], tmp_path_factory.mktemp("m") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
+                         "--kv-cache-memory", "16MiB", "--vllm-metric-names"],
+                        tmp_path_factory.mktemp("m") / "server.log") as s:
+        yield s
 
 
 def scrape(server) -> str:

@@ -43,7 +43,7 @@ def server(tiny_path, smollm_gguf_path, tmp_path_factory):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 def tokenize(server, **body) -> httpx.Response:

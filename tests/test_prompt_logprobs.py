@@ -154,18 +154,15 @@ def wide_path(tiny_hf_model):
 def server(wide_path, smollm_gguf_path, tmp_path_factory):
     from test_server import Server
 
-    s = Server(["--model", wide_path, "--tokenizer", smollm_gguf_path, "--served-model-name", SERVED,
-                "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("srv") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", wide_path, "--tokenizer", smollm_gguf_path, "--served-model-name", SERVED,
+                         "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
 
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,14 @@ FLAG_TOOL = {"type": "function", "name": "set_flag", "description": "Set the fla
 @pytest.fixture(scope="module")
 def server(tiny_hf_model, smollm_gguf_path, tmp_path_factory):
     path = tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
-    s = Server(["--model", path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("responses") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
+                         "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("responses") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 def chat_text(client, messages, max_tokens) -> tuple[str, object]:

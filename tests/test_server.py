@@ -7,6 +7,7 @@ module-scoped fixtures from here.
 """
 
 import asyncio
+import contextlib
 import io
 import os
 import re
@@ -62,6 +63,20 @@ class Server:
                 out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
         return out
 
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, args: list[str], log_path):
+        """A server for a module's tests: stopped afterwards, and it must have exited cleanly (code 0)."""
+        s = cls(args, log_path)
+        try:
+            yield s
+        finally:
+            s.stop()
+        assert s.proc.returncode == 0, s.output()[-3000:]
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -80,16 +95,14 @@ def tiny_path(tiny_hf_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_path, smollm_gguf_path, tmp_path_factory):
-    s = Server(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL, "alias",
-                "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("srv") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL, "alias",
+                         "--kv-cache-memory", "16MiB"], tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 @pytest.fixture(scope="module")

@@ -25,19 +25,15 @@ def tiny_args(tiny_hf_model, smollm_gguf_path):
 
 @pytest.fixture(scope="module")
 def full(tiny_args, tmp_path_factory):
-    s = Server([*tiny_args, "--api-key", KEY, "--enable-request-id-headers", "--root-path", "/api",
-                "--enable-tokenizer-info-endpoint"], tmp_path_factory.mktemp("full") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running([*tiny_args, "--api-key", KEY, "--enable-request-id-headers", "--root-path", "/api",
+                         "--enable-tokenizer-info-endpoint"], tmp_path_factory.mktemp("full") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_args, tmp_path_factory):
-    s = Server(tiny_args, tmp_path_factory.mktemp("plain") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(tiny_args, tmp_path_factory.mktemp("plain") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -64,11 +64,10 @@ def locked(tiny_path, smollm_gguf_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def public(tiny_path, smollm_gguf_path, tmp_path_factory):
     """Defaults, bound to 0.0.0.0, no key."""
-    s = Server(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "16MiB", "--host", "0.0.0.0"], tmp_path_factory.mktemp("public") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
+                         "--kv-cache-memory", "16MiB", "--host", "0.0.0.0"],
+                        tmp_path_factory.mktemp("public") / "server.log") as s:
+        yield s
 
 
 def auth(key: str = KEY) -> dict:

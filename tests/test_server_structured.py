@@ -24,16 +24,14 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 @pytest.fixture(scope="module")
 def server(tiny_hf_model, smollm_gguf_path, tmp_path_factory):
     tiny = tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
-    s = Server(["--model", tiny, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "32MiB"], tmp_path_factory.mktemp("srv-structured") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", tiny, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
+                         "--kv-cache-memory", "32MiB"], tmp_path_factory.mktemp("srv-structured") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 def _chat(client, **kw):

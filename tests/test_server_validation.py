@@ -24,17 +24,15 @@ def tiny_path(tiny_hf_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_path, smollm_gguf_path, tmp_path_factory):
-    s = Server(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "16MiB", "--return-tokens-as-token-ids"],
-               tmp_path_factory.mktemp("srv") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
+                         "--kv-cache-memory", "16MiB", "--return-tokens-as-token-ids"],
+                        tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 @pytest.fixture(scope="module")

@@ -141,17 +141,15 @@ def tiny_path(tiny_hf_model):
 
 @pytest.fixture(scope="module")
 def server(tiny_path, smollm_gguf_path, tmp_path_factory):
-    s = Server(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-               tmp_path_factory.mktemp("srv") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
+                         "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                        tmp_path_factory.mktemp("srv") / "server.log") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client()
 
 
 def _accumulate(stream):
@@ -293,12 +291,10 @@ def plain_server(tiny_path, smollm_gguf_path, tmp_path_factory):
     """No --enable-auto-tool-choice; --chat-template replaces the model's template."""
     template = tmp_path_factory.mktemp("tpl") / "tools.jinja"
     template.write_text(NATIVE_TEMPLATE)
-    s = Server(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
-                "--kv-cache-memory", "16MiB", "--chat-template", str(template)],
-               tmp_path_factory.mktemp("srv2") / "server.log")
-    yield s
-    s.stop()
-    assert s.proc.returncode == 0, s.output()[-3000:]
+    with Server.running(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--served-model-name", MODEL,
+                         "--kv-cache-memory", "16MiB", "--chat-template", str(template)],
+                        tmp_path_factory.mktemp("srv2") / "server.log") as s:
+        yield s
 
 
 def test_auto_needs_the_server_flag_and_chat_template_overrides(plain_server, smollm_tokenizer):
