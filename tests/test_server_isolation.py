@@ -137,7 +137,8 @@ def test_health_answers_quickly_while_huge_prompts_are_tokenized(server):
           f"median {statistics.median(latencies) * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms, "
           f"max {max(latencies) * 1000:.1f} ms")
     assert len(latencies) >= 10  # the polls overlapped the tokenization
-    # Measured on a loaded 2-core machine: median 2-6 ms, max 80-150 ms. With tokenizers' encode (which
-    # holds the GIL) it was 10 polls in 1.6 s, max 750 ms; with the chat template on the event loop, worse.
+    # Measured on a loaded 2-core machine: median 2-6 ms, max 80-150 ms (350 ms once, with two soak servers
+    # on the same cores). With tokenizers' encode (which holds the GIL) it was 10 polls in 1.6 s, max 750 ms:
+    # the p90 bound is what catches that; the max bound only catches a stall of a whole second.
     assert p90 < 0.1
-    assert max(latencies) < 0.3
+    assert max(latencies) < 1.0
