@@ -212,3 +212,17 @@ def test_async_client_sees_the_same_refusals(server):
         await aclient.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "echo": 1}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "true"}, "logprobs"),
+    ("/v1/responses", {"input": "hi", "stream": "on"}, "stream"),
+    ("/v1/embeddings", {"input": "hi", "normalize": "no"}, "normalize"),
+])
+def test_booleans_must_be_json_booleans(server, path, body, field):
+    """pydantic's lax mode read "yes" as true: {"stream": "yes"} was a 200 stream to a client that asked for
+    JSON (found by the 60-minute bench soak)."""
+    r = httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

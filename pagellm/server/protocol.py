@@ -7,14 +7,13 @@ as OpenAI does. Range checks are left to SamplingParams, whose errors name the f
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import SamplingParams
+from pagellm.server.fields import Flag, TokenId
 from pagellm.server.protocol_structured import StructuredOutputFields, attach
-
-TokenId = Annotated[int, Strict()]  # a float or bool is not a token id
 
 
 class _Body(BaseModel):
@@ -22,8 +21,8 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool | None = False  # null: the default (OpenAI's SDKs send it)
-    continuous_usage_stats: bool | None = False  # vLLM: with include_usage, every chunk carries usage so far
+    include_usage: Flag | None = False  # null: the default (OpenAI's SDKs send it)
+    continuous_usage_stats: Flag | None = False  # vLLM: with include_usage, every chunk carries usage so far
 
 
 class _SamplingRequest(StructuredOutputFields, _Body):
@@ -36,7 +35,7 @@ class _SamplingRequest(StructuredOutputFields, _Body):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -49,17 +48,17 @@ class _SamplingRequest(StructuredOutputFields, _Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
-    ignore_eos: bool = False
+    ignore_eos: Flag = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: Flag = False
+    skip_special_tokens: Flag = True
     cache_salt: str | None = None  # requests with different salts never share prefix-cache blocks
-    use_beam_search: bool = False
+    use_beam_search: Flag = False
     length_penalty: float = 1.0  # beam search: a sequence scores sum(logprob) / length ** length_penalty
     allowed_token_ids: list[TokenId] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # never generated (vLLM's token-sequence semantics)
     truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: as many as fit)
-    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N"; None: the server flag
+    return_tokens_as_token_ids: Flag | None = None  # logprob tokens as "token_id:N"; None: the server flag
     prompt_logprobs: int | None = None  # vLLM: logprob + top-N of every prompt token (not with stream)
 
     @property
@@ -130,8 +129,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
-    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. on text prompts
+    echo: Flag = False
+    add_special_tokens: Flag = True  # vLLM: the tokenizer's BOS etc. on text prompts
     suffix: str | None = None
     best_of: int | None = None
 
@@ -150,7 +149,7 @@ class FunctionDefinition(_Body):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: the function takes no arguments
-    strict: bool | None = None
+    strict: Flag | None = None
 
 
 class ChatTool(_Body):
@@ -218,19 +217,19 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: Flag = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: Flag = True
     # tools (pagellm/server/serving_chat_tools.py)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = True
+    parallel_tool_calls: Flag | None = True
     # vLLM's templating extras
-    continue_final_message: bool = False
+    continue_final_message: Flag = False
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # this request's template (needs --trust-request-chat-template)
-    add_special_tokens: bool = False  # the tokenizer's BOS etc. on top of the template's (vLLM's default)
+    add_special_tokens: Flag = False  # the tokenizer's BOS etc. on top of the template's (vLLM's default)
 
     def engine_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -247,12 +246,12 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Flag | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: Flag = True
+    return_token_strs: Flag = False
     # messages only: the chat request's templating fields, so the count matches what it would be sent
     tools: list[ChatTool] | None = None
-    continue_final_message: bool = False
+    continue_final_message: Flag = False
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.server.fields import Flag
 
 
 class _Body(BaseModel):
@@ -65,7 +66,7 @@ class FunctionTool(_Body):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: Flag | None = None
 
     def to_chat_tool(self) -> dict:
         """The chat-completions shape that chat templates and tool-call parsers know."""
@@ -85,7 +86,7 @@ class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: Flag | None = None
 
 
 class TextConfig(_Body):
@@ -110,18 +111,18 @@ class ResponsesRequest(_Body):
     top_p: float | None = None
     top_logprobs: int | None = None
     include: list[str] | None = None
-    stream: bool = False
-    store: bool = True
+    stream: Flag = False
+    store: Flag = True
     previous_response_id: str | None = None
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Flag = True
     max_tool_calls: int | None = None
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    background: bool | None = None
+    background: Flag | None = None
     conversation: Any = None
     prompt: Any = None
     user: str | None = None

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.errors import APIError, bad_request
+from pagellm.server.fields import Flag
 
 FIELD_KEY = "structured_outputs_field"  # SamplingParams.extra: the request field the spec came from
 _BACKENDS = ("auto", "xgrammar")
@@ -30,7 +31,7 @@ class JsonSchemaFormat(_Strict):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # pagellm always enforces the schema
+    strict: Flag | None = None  # pagellm always enforces the schema
 
 
 class ResponseFormat(_Strict):
@@ -45,10 +46,10 @@ class StructuredOutputsBody(_Strict):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: Flag | None = None
     whitespace_pattern: str | None = None
-    disable_any_whitespace: bool | None = None  # pagellm's default; False allows any whitespace
-    disable_fallback: bool | None = None  # there is no fallback backend: accepted, nothing to disable
+    disable_any_whitespace: Flag | None = None  # pagellm's default; False allows any whitespace
+    disable_fallback: Flag | None = None  # there is no fallback backend: accepted, nothing to disable
 
 
 class StructuredOutputFields(BaseModel):

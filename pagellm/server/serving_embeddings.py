@@ -17,6 +17,7 @@ from pagellm.engine.embedding import embed
 from pagellm.engine.request_stream import EngineStoppedError
 from pagellm.server.common import ServerContext, admission_error, now_s, unless_disconnected
 from pagellm.server.errors import APIError
+from pagellm.server.fields import Flag
 from pagellm.server.request_limits import MAX_INPUTS, check_list_length
 
 TokenId = Annotated[int, Strict()]
@@ -32,8 +33,8 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     # vLLM / pagellm extras
     pooling: Literal["last", "mean"] | None = None  # default: the server's --embedding-pooling
-    normalize: bool = True
-    add_special_tokens: bool = True
+    normalize: Flag = True
+    add_special_tokens: Flag = True
     truncate_prompt_tokens: int | None = None
 
     def inputs(self) -> list[str | list[int]]:

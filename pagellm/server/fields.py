@@ -1,0 +1,12 @@
+"""Field types shared by the request bodies: JSON's own types, not pydantic's lax coercions."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Strict
+
+TokenId = Annotated[int, Strict()]  # a float or bool is not a token id
+# A JSON true/false only: pydantic's lax mode reads "yes", "on", "1" as true, so {"stream": "yes"} was a 200
+# stream to a client that asked for none (bench soak, 60-minute run: 3 of 366 malformed bodies).
+Flag = Annotated[bool, Strict()]
