@@ -26,6 +26,8 @@ from pagellm.bench.soak_traffic import CANARY_PROMPTS, Outcome, Spec, TrafficMix
 
 UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
+_IDLE_SETTLE_S = 2.0  # idle time before an RSS reading (see settle)
+
 
 def parse_duration(text: str) -> float:
     """'90', '90s', '10m', '1.5h' -> seconds."""
@@ -253,7 +255,13 @@ class Soak:
             m = await self.sample(self.phase + "-drained")
             idle = m.get("running") == 0 and m.get("waiting") == 0 and m.get("kv_usage") == 0
             if idle or time.monotonic() > deadline:
-                m["drain_s"] = round(self.ns.drain_timeout - max(0.0, deadline - time.monotonic()), 2)
+                drain_s = round(self.ns.drain_timeout - max(0.0, deadline - time.monotonic()), 2)
+                if idle:
+                    # An idle pagellm server returns freed heap to the OS within a second (the async engine's
+                    # malloc_trim); RSS read at once would land anywhere in the ~20% swing of a busy heap.
+                    await asyncio.sleep(_IDLE_SETTLE_S)
+                    m = await self.sample(self.phase + "-drained")
+                m["drain_s"] = drain_s
                 return m
             await asyncio.sleep(0.2)
 
