@@ -122,3 +122,17 @@ def latency_roofline(cfg, engines: dict[str, tuple[int, int, list[dict]]], threa
             print(roofline.decode_line(name, fl))
         out[name] = {"weight_bytes_per_step": weight_bytes, "kv_bytes_per_token": kv_per_token, "decode": floors}
     return {"machine": machine, "engines": out}
+
+
+async def served_model(client, base: str, wanted: str | None, default_len: int) -> tuple[str, int]:
+    """(model id, its max_model_len) from a server's /v1/models: `wanted` or the first one served."""
+    import httpx
+
+    try:
+        r = await client.get(base + "/v1/models")
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot list models at {base}/v1/models: {e}") from None
+    served = r.json()["data"]
+    model = wanted or served[0]["id"]
+    return model, next((m.get("max_model_len") for m in served if m["id"] == model), None) or default_len

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from pagellm.bench.common import print_platform_line
+from pagellm.bench.common import print_platform_line, served_model
 from pagellm.bench.report import write_json
 from pagellm.bench.workload import BenchRequest, random_workload
 
@@ -320,14 +320,7 @@ async def _bench(ns, slos: dict[str, float], kind: str, path: str | None) -> dic
     # No pool limit: a request waiting for a free connection would count the wait as TTFT.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(ns.timeout), limits=limits, headers=headers) as client:
-        try:
-            r = await client.get(base + "/v1/models")
-            r.raise_for_status()
-        except httpx.HTTPError as e:
-            raise ValueError(f"cannot list models at {base}/v1/models: {e}") from None
-        served = r.json()["data"]
-        model = ns.model or served[0]["id"]
-        max_len = next((m.get("max_model_len") for m in served if m["id"] == model), None) or 1 << 30
+        model, max_len = await served_model(client, base, ns.model, 1 << 30)
         if kind == "random":
             lens_in, lens_out = _len_range(ns.input_len, ns.range_ratio), _len_range(ns.output_len, ns.range_ratio)
             if lens_in[1] + lens_out[1] > max_len:

@@ -20,6 +20,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+from pagellm.bench.common import served_model
 from pagellm.bench.report import write_json
 from pagellm.bench.soak_report import checks, plot_soak, print_summary, summarize
 from pagellm.bench.soak_traffic import CANARY_PROMPTS, Outcome, Spec, TrafficMix, send
@@ -288,14 +289,7 @@ async def _main(ns, warmup: float, bursts: list[tuple[int, float]]) -> dict:
     base = loopback_base(ns.url)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(ns.request_timeout), limits=limits) as client:
-        try:
-            r = await client.get(base + "/v1/models")
-            r.raise_for_status()
-        except httpx.HTTPError as e:
-            raise ValueError(f"cannot list models at {base}/v1/models: {e}") from None
-        served = r.json()["data"]
-        model = ns.model or served[0]["id"]
-        max_len = next((m.get("max_model_len") for m in served if m["id"] == model), None) or 2048
+        model, max_len = await served_model(client, base, ns.model, 2048)
         version = await client.get(base + "/version")
         soak = Soak(ns, client, base, model, max_len)
         phases = await soak.run(warmup, bursts)
