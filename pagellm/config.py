@@ -147,7 +147,11 @@ class SchedulerConfig:
 
 # "auto": the platform picks per device (the engine resolves it); the default stays float32 until it does.
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Weight formats (--quantization): auto reads quantization_config in config.json, or the GGUF tensor
+# types; none dequantizes every quantized weight to the compute dtype; int8/int4 quantize a float
+# checkpoint's matrices at load (round to nearest: per-channel int8, int4 in groups).
+QUANTIZATIONS = ("auto", "none", "gptq", "awq", "fp8", "compressed-tensors", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa_batched", "torch_sdpa_reference")
 # Earlier names, still accepted (with a deprecation warning) so existing scripts and configs keep working.
 ATTENTION_BACKEND_ALIASES = {"native": "cpu_paged", "batched": "torch_sdpa_batched",
@@ -182,6 +186,7 @@ class EngineArgs:
     # Bigger steps stay float32, so with speculation a verification step of more than 20 rows can part
     # from what non-speculative int8 decoding would have said.
     int8_activations: bool = False
+    quantization: str = "auto"
     # Keep only the GGUF blocks of quantized weights (no float32 copies) where the CPU kernels read them:
     # many-row matmuls dequantize cache-sized slices on the fly (the same values). ~530 MiB less for
     # SmolLM2; prefill GEMMs 0-10% slower (benchmarks/NOTES.md).
@@ -214,6 +219,8 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)} (or the old names "
                              f"{list(ATTENTION_BACKEND_ALIASES)}), got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.speculative_method not in (None, "ngram", "draft"):
@@ -255,6 +262,10 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                        help="KV cache element type (auto: the compute dtype). float16 halves KV memory per token "
                             "(llama.cpp's default); keys and values are rounded to float16")
+        g.add_argument("-q", "--quantization", default=d.quantization, choices=list(QUANTIZATIONS),
+                       help="weight format (default auto: the checkpoint's quantization_config, or the GGUF "
+                            "tensor types); none: dequantize to --dtype; int8/int4: quantize a float "
+                            "checkpoint at load")
         g.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,

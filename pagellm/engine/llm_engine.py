@@ -54,6 +54,8 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
     """The KV cache element type: `auto` follows the compute dtype."""
     name = args.kv_dtype_name
+    if name not in ("auto", *DTYPES):
+        raise ValueError(f"kv_cache_dtype {name!r} is not implemented yet")
     return dtype if name == "auto" else DTYPES[name]
 
 
@@ -94,7 +96,8 @@ class LLMEngine:
         self.model_config = cfg = load_config(path)
         self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
         self.model = get_model(path, cfg, platform, dtype, self.device, args.int8_activations,
-                               args.packed_weights_only, auto_dtype=args.dtype == "auto")
+                               args.packed_weights_only, auto_dtype=args.dtype == "auto",
+                               quantization=args.quantization)
         self.weights_bytes = model_weight_bytes(self.model)
 
         cache = args.cache_config()

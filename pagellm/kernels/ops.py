@@ -21,6 +21,15 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# PackedWeight kinds the native packed kernels (and blas.packed_matmul) read in place.
+KERNEL_KINDS = frozenset({"q4_1", "q8_0"})
+
+
+def kernel_reads(w: PackedWeight) -> bool:
+    """Whether packed_linear can multiply by this weight's blocks (else the layer keeps a float copy)."""
+    return w.kind in KERNEL_KINDS
+
+
 def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = False) -> torch.Tensor:
     """x [M, K] (rows may be strided) @ W^T -> [M, N]. int8_activations: llama.cpp's scheme (x rounded
     to int8 per 32-value block, integer dot products), faster for one row, no longer float32-exact."""
@@ -33,9 +42,11 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = Fal
         fn = lib.pagellm_q4_1_linear_i8 if int8_activations else lib.pagellm_q4_1_linear
         fn(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), n, y.data_ptr(), n,
            threads)
-    else:
+    elif w.kind == "q8_0":
         fn = lib.pagellm_q8_0_linear_i8 if int8_activations else lib.pagellm_q8_0_linear
         fn(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), n, y.data_ptr(), n, threads)
+    else:
+        raise ValueError(f"packed_linear: no kernel reads {w.kind!r} blocks")
     return y
 
 

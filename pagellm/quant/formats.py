@@ -1,4 +1,5 @@
-"""Weight block formats (GGUF q4_1, q8_0): plain data, below both kernels/ and model/.
+"""Weight block formats (GGUF q4_1, q8_0, and the kinds other checkpoints map onto): plain data, below both
+kernels/ and model/.
 
 A `PackedWeight` holds the same numbers as the float32 weight the loader dequantizes (the kernels
 rebuild each weight as d * q (+ m) in float32, the dequantizer's arithmetic), in 4-6x fewer bytes.
@@ -21,14 +22,26 @@ PACKED_MAX_ROWS = 20
 # Bytes per 32-weight block in the file (q4_1: f16 scale, f16 min, 16 bytes of nibbles; q8_0: f16 scale,
 # 32 int8 quants).
 FORMATS = {"q4_1": 20, "q8_0": 34}
+# Every kind a PackedWeight may hold, per 32-weight block along K (d, m: float32 [N, K/32]):
+#   q4_1:     w = d * q + m, q uint8 nibbles 0..15 (qs uint8 [N, K/2], byte j: element j low, j + 16 high)
+#   q8_0:     w = d * q,     q int8 (qs int8 [N, K])
+#   q8_1:     w = d * q + m, q int8 (qs int8 [N, K]): 5..8-bit codes with a zero point or minimum
+#   fp8_e4m3: w = d * f8(q), q the e4m3 bit pattern (qs uint8 [N, K]); d carries per-tensor, per-channel
+#             or block scales, repeated per 32-block
+# GPTQ/AWQ/compressed-tensors 4-bit groups are q4_1 (d = s, m = -s * z), per-channel or symmetric 8-bit
+# q8_0, asymmetric 8-bit q8_1. Which kinds the native kernels read is `pagellm.kernels.ops.kernel_reads`.
+KINDS = ("q4_1", "q8_0", "q8_1", "fp8_e4m3")
 
 
 @dataclass
 class PackedWeight:
-    kind: str  # "q4_1" | "q8_0"
-    qs: torch.Tensor  # q4_1: uint8 [N, K/2] (two weights per byte); q8_0: int8 [N, K]
+    kind: str  # one of KINDS
+    qs: torch.Tensor  # q4_1: uint8 [N, K/2] (two weights per byte); q8_0/q8_1: int8 [N, K]; fp8: uint8 [N, K]
     d: torch.Tensor  # float32 [N, K/32] block scales
-    m: torch.Tensor | None  # float32 [N, K/32] block minimums (q4_1)
+    m: torch.Tensor | None  # float32 [N, K/32] block minimums (q4_1, q8_1)
+    # Input-column order of the blocks (GPTQ act-order: columns sorted by group): y = x[:, perm] @ W_p^T.
+    # None: the natural order.
+    perm: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -40,29 +53,48 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m, self.perm) if t is not None)
 
     def rows(self, index: torch.Tensor) -> PackedWeight:
         """Output rows in a new order (Q/K un-permutation acts on output rows, which blocks never span)."""
         return PackedWeight(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
-                            None if self.m is None else self.m[index].contiguous())
+                            None if self.m is None else self.m[index].contiguous(), self.perm)
 
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight | None:
         """Stack along output rows (fused q/k/v, gate/up); None when the parts' formats differ."""
         if len({p.kind for p in parts}) != 1 or len({p.in_features for p in parts}) != 1:
             return None
+        perms = [p.perm for p in parts]
+        if any(q is None for q in perms) != all(q is None for q in perms) or (
+                perms[0] is not None and not all(torch.equal(perms[0], q) for q in perms)):
+            return None  # one input order per fused layer
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return PackedWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+        return PackedWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m,
+                            perms[0])
 
-    def dequantize(self) -> torch.Tensor:
-        """[N, K] float32, the same values the GGUF loader produces (for tests)."""
+    def dequantize(self, natural_order: bool = True) -> torch.Tensor:
+        """[N, K] float32, the same values the GGUF loader produces (for tests). natural_order=False keeps
+        the blocks' column order (perm), the one a kernel multiplies x[:, perm] with."""
+        w = self._dequantize_blocks()
+        if self.perm is not None and natural_order:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
+
+    def _dequantize_blocks(self) -> torch.Tensor:
         n = self.out_features
         d = self.d.reshape(-1, 1)
-        if self.kind == "q8_0":
-            return (self.qs.reshape(-1, BLOCK).float() * d).reshape(n, -1)
-        q = self.qs.reshape(-1, BLOCK // 2)
-        return (torch.cat([q & 15, q >> 4], dim=1).float() * d + self.m.reshape(-1, 1)).reshape(n, -1)
+        if self.kind == "q4_1":
+            q = self.qs.reshape(-1, BLOCK // 2)
+            q = torch.cat([q & 15, q >> 4], dim=1).float()
+        elif self.kind == "fp8_e4m3":
+            q = self.qs.reshape(-1, BLOCK).view(torch.float8_e4m3fn).float()
+        else:
+            q = self.qs.reshape(-1, BLOCK).float()
+        w = q * d
+        if self.m is not None:
+            w = w + self.m.reshape(-1, 1)
+        return w.reshape(n, -1)
 
 
 def pack_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:

@@ -86,20 +86,28 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer) -> None:
         super().process_after_loading(layer)  # the bfloat16 copy, from the blocks
-        if self.choices.packed_weights_only:
+        # A kind no kernel reads keeps its float copy: that is what it computes with.
+        if self.choices.packed_weights_only and self.reads_blocks(layer.packed):
             drop_float_weight(layer)
+
+    def reads_blocks(self, packed: PackedWeight) -> bool:
+        return self.choices.packed_kernels and ops.kernel_reads(packed)
 
     def float_weight(self, layer) -> torch.Tensor:
         return layer.packed.dequantize()
 
     def apply(self, layer, x):
         packed: PackedWeight = layer.packed
-        if self.choices.packed_kernels and x.shape[0] <= PACKED_MAX_ROWS:
-            y = ops.packed_linear(x, packed, self.choices.int8_activations)
+        if x.shape[0] <= PACKED_MAX_ROWS and self.reads_blocks(packed):
+            xp = x if packed.perm is None else x.index_select(1, packed.perm)
+            y = ops.packed_linear(xp, packed, self.choices.int8_activations)
         elif layer.weight_bf16 is not None:
             return self.bf16_matmul(layer, x)
         elif layer.weight_t.numel() == 0:  # float copy dropped
-            y = blas.packed_matmul(x, packed) if self.choices.blas_gemm else x @ packed.dequantize().t()
+            xp = x if packed.perm is None else x.index_select(1, packed.perm)
+            y = blas.packed_matmul(xp, packed) if self.choices.blas_gemm else None
+            if y is None:
+                y = xp @ packed.dequantize(natural_order=False).t()
         else:
             return self.gemm(x, layer.weight_t, layer.bias)
         return y if layer.bias is None else y.add_(layer.bias)

@@ -15,14 +15,17 @@ from pagellm.platforms import Platform
 
 def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device | None = None,
               int8_activations: bool = False, packed_weights_only: bool = True,
-              auto_dtype: bool = False) -> torch.nn.Module:
+              auto_dtype: bool = False, quantization: str = "auto") -> torch.nn.Module:
     """Builds the architecture on the meta device, materialises it on `device`, streams the weights in and
     lets the platform choose each op's implementation.
 
     packed_weights_only: keep quantized matrices only in their GGUF block form where the platform's kernels
     read them (each float copy is freed as soon as its packed twin has arrived; the tied embedding's at the
     end, its lookups then read rows of the packed LM head). auto_dtype: `--dtype auto` was asked for, so
-    the platform may choose non-exact faster paths (bf16 many-row GEMMs)."""
+    the platform may choose non-exact faster paths (bf16 many-row GEMMs). quantization: --quantization
+    (pagellm.config.QUANTIZATIONS); "none" computes with the dequantized float weights only."""
+    if quantization not in ("auto", "none"):
+        raise ValueError(f"--quantization {quantization} is not implemented yet")
     arch = cfg.architecture
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(MODEL_REGISTRY)})")
@@ -39,7 +42,7 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
             m.configure(choices)
     with platform.loading():
         # Packed (GGUF block) copies only where the kernels will read them.
-        model.load_weights(iter_weights(path, cfg, dtype, packed=choices.packed_kernels))
+        model.load_weights(iter_weights(path, cfg, dtype, packed=choices.packed_kernels and quantization != "none"))
         if cfg.tie_word_embeddings and choices.packed_weights_only and model.lm_head.packed is not None:
             emb = model.embed_tokens  # (the head's own float copy went in load_weights)
             emb.weight.data = torch.empty(0, emb.weight.shape[1], dtype=emb.weight.dtype)
