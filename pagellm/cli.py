@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagellm.chat_cli import add_chat_parser
 
     add_chat_parser(sub)
+    from pagellm.plan.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 

@@ -1,0 +1,135 @@
+"""`pagellm plan`: will this model fit, how many sequences, and on how many ranks (see memory.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from pagellm.config import ModelConfig
+from pagellm.plan.memory import DTYPE_BYTES, MemoryPlan, plan_memory, smallest_parallelism
+from pagellm.plan.presets import ARCHITECTURES, GPUS, preset_config
+
+DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def parse_size(text: str) -> int:
+    """80GB, 141e9, 24GiB -> bytes (GB decimal, GiB binary)."""
+    t = text.strip().upper().replace(" ", "")
+    for suffix, scale in (("GIB", 2**30), ("MIB", 2**20), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("B", 1)):
+        if t.endswith(suffix):
+            t, mult = t[: -len(suffix)], scale
+            break
+    else:
+        mult = 1
+    try:
+        value = float(t) * mult
+    except ValueError:
+        raise ValueError(f"--device-memory {text!r}: expected a size such as 80GB, 24GiB or 8e10") from None
+    if value <= 0:
+        raise ValueError(f"--device-memory {text!r} must be positive")
+    return int(value)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def load_model(model: str) -> tuple[ModelConfig, int | None]:
+    """A preset name, a config.json directory or a GGUF file -> (config, the file's weight bytes or None)."""
+    if model in ARCHITECTURES:
+        return preset_config(model), None
+    from pagellm.model.loader import GGUFFile, is_gguf_path, load_config
+
+    if not os.path.exists(model):
+        raise ValueError(f"--model {model!r} is neither a preset ({', '.join(sorted(ARCHITECTURES))}) nor a "
+                         "local GGUF file or model directory")
+    cfg = load_config(model)
+    weights = sum(t.nbytes for t in GGUFFile(model).tensors.values()) if is_gguf_path(model) else None
+    return cfg, weights
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="memory plan: weights, KV cache and batch per rank before deploying",
+                       description="Plan a deployment's memory without loading weights: weights and KV bytes "
+                                   "per rank, KV blocks and tokens that fit, the largest batch at max_model_len, "
+                                   "and whether it fits (or the smallest TP x PP that would).")
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(ARCHITECTURES))}), a .gguf file "
+                                                  "or a Hugging Face config.json directory")
+    p.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("-pp", "--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="weights and activations (default: bfloat16 on "
+                                                                "a GPU, float32 with --cpu)")
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
+                   help="weight-only format of the linear layers (embeddings stay in --dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES)
+    p.add_argument("--kv-heads", type=int, default=None, help="override the KV head count (what-if: MHA vs GQA)")
+    p.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=1, help="sequences that must fit at max_model_len")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="rows of one step (workspace)")
+    p.add_argument("--block-size", type=int, default=16)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--device-memory", help="memory of one device, e.g. 80GB or 24GiB")
+    where.add_argument("--gpu", choices=sorted(GPUS), help="a GPU preset (marketed decimal GB)")
+    where.add_argument("--cpu", action="store_true", help="this host's RAM")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of the device to use")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    cfg, file_bytes = load_model(ns.model)
+    if ns.kv_heads is not None:
+        if ns.kv_heads < 1 or cfg.num_attention_heads % ns.kv_heads:
+            raise ValueError(f"--kv-heads {ns.kv_heads} must divide the {cfg.num_attention_heads} attention heads")
+        cfg.num_key_value_heads = ns.kv_heads
+    if ns.cpu:
+        device, label = host_memory_bytes(), "cpu"
+    else:
+        device = GPUS[ns.gpu] if ns.gpu else parse_size(ns.device_memory)
+        label = ns.gpu or f"{device / 1e9:.1f} GB"
+    dtype = ns.dtype or ("float32" if ns.cpu else "bfloat16")
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+    def plan(tp: int, pp: int) -> MemoryPlan:
+        return plan_memory(cfg, ns.model, device, tp, pp, dtype, ns.kv_cache_dtype, ns.quantization,
+                           ns.max_model_len, ns.max_num_seqs, ns.block_size, ns.max_num_batched_tokens,
+                           ns.gpu_memory_utilization, file_bytes)
+
+    result = plan(ns.tp, ns.pp)
+    smallest = None if result.fits else smallest_parallelism(plan)
+    if ns.json:
+        print(json.dumps({**result.to_dict(), "device": label,
+                          "smallest_fitting": None if smallest is None else {"tp": smallest[0], "pp": smallest[1]}},
+                         indent=2))
+        return 0
+    print(format_plan(result, label, smallest))
+    return 0
+
+
+def format_plan(r: MemoryPlan, label: str, smallest: tuple[int, int] | None) -> str:
+    gb = 1e9
+    lines = [
+        f"model {r.model}: TP {r.tensor_parallel_size} x PP {r.pipeline_parallel_size} on {label} "
+        f"({r.device_bytes / gb:.1f} GB, utilization {r.gpu_memory_utilization:.2f}), {r.dtype} weights, "
+        f"{r.kv_cache_dtype} KV",
+        f"  weights per rank        {r.weights_bytes_per_rank / gb:10.3f} GB",
+        f"  workspace per rank      {r.workspace_bytes_per_rank / gb:10.3f} GB (estimate)",
+        f"  KV cache per rank       {r.kv_cache_bytes_per_rank / gb:10.3f} GB",
+        f"  KV per token per rank   {r.kv_bytes_per_token_per_rank:10d} bytes",
+        f"  KV per sequence         {r.kv_bytes_per_sequence / gb:10.3f} GB ({r.max_model_len} tokens)",
+        f"  KV blocks / tokens      {r.kv_blocks:10d} / {r.kv_tokens} (block {r.block_size})",
+        f"  largest batch at {r.max_model_len} tokens: {r.max_batch_at_max_model_len}",
+        f"  fits: {'yes' if r.fits else 'no'} ({r.reason})",
+    ]
+    if not r.fits:
+        lines.append("  smallest TP x PP that fits: " + (f"TP {smallest[0]} x PP {smallest[1]}" if smallest
+                                                         else "none up to 64 ranks"))
+    return "\n".join(lines)
+
+
+__all__ = ["DTYPE_BYTES", "add_plan_parser", "format_plan", "load_model", "parse_size", "run_plan"]

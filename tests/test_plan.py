@@ -1,0 +1,92 @@
+"""`pagellm plan`: the KV arithmetic reproduces the published figures, and the planner's verdicts follow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagellm.config import ModelConfig
+from pagellm.plan import kv_bytes_per_token, kv_heads_per_rank, plan_memory, smallest_parallelism
+from pagellm.plan.memory import weight_bytes_per_rank
+from pagellm.plan.presets import GPUS, preset_config
+
+pytestmark = pytest.mark.timeout(120)
+FP16 = 2.0
+
+
+def _cfg(layers: int, heads: int, kv_heads: int, head_dim: int = 128) -> ModelConfig:
+    return ModelConfig(hidden_size=heads * head_dim, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads)
+
+
+def test_llama3_70b_8k_sequence_is_2_68_gb_and_32_exceed_an_h100():
+    cfg = preset_config("llama-3-70b")
+    per_seq = kv_bytes_per_token(cfg, FP16) * 8192
+    assert per_seq == 2 * 80 * 8 * 128 * 2 * 8192 and round(per_seq / 1e9, 2) == 2.68
+    assert round(32 * per_seq / 1e9, 1) == 85.9 and 32 * per_seq > GPUS["h100-80gb"]
+    assert round(32 * round(per_seq / 1e9, 2), 1) == 85.8  # 32 x 2.68 as rounded: the article's 85.7 is truncation
+    plan = plan_memory(cfg, "llama-3-70b", GPUS["h100-80gb"], dtype="float16", max_model_len=8192, max_num_seqs=32)
+    assert not plan.fits and plan.kv_bytes_per_sequence == per_seq
+
+
+def test_llama2_70b_mha_batch_32_at_4k_is_343_6_gb():
+    cfg = _cfg(80, 64, 64)
+    total = kv_bytes_per_token(cfg, FP16) * 4096 * 32
+    assert round(total / 1e9, 1) == 343.6
+
+
+def test_70b_mha_4k_request_is_134_mb_per_layer_and_10_7_gb_in_all():
+    cfg = _cfg(80, 64, 64)
+    per_layer = kv_bytes_per_token(_cfg(1, 64, 64), FP16) * 4096
+    assert round(per_layer / 1e6) == 134
+    assert round(kv_bytes_per_token(cfg, FP16) * 4096 / 1e9, 1) == 10.7
+
+
+def test_32_layer_8_kv_heads_8k_is_1_07_gb_and_100_sequences_over_107_gb():
+    per_seq = kv_bytes_per_token(_cfg(32, 32, 8), FP16) * 8192
+    assert round(per_seq / 1e9, 2) == 1.07
+    assert 100 * per_seq > 107e9
+
+
+def test_gqa_and_mqa_ratios_against_mha():
+    mha = kv_bytes_per_token(_cfg(32, 32, 32), FP16)
+    assert kv_bytes_per_token(_cfg(32, 32, 8), FP16) / mha == 0.25
+    assert kv_bytes_per_token(_cfg(32, 32, 1), FP16) / mha == 0.03125
+
+
+def test_tensor_and_pipeline_parallel_split_kv_and_weights():
+    cfg = preset_config("llama-3-70b")  # 64 query heads, 8 KV heads, 80 layers
+    assert kv_heads_per_rank(cfg, 8) == 1 and kv_heads_per_rank(cfg, 16) == 1  # replicated past 8
+    assert kv_bytes_per_token(cfg, FP16, tp=8) * 8 == kv_bytes_per_token(cfg, FP16)
+    assert kv_bytes_per_token(cfg, FP16, pp=2) * 2 == kv_bytes_per_token(cfg, FP16)
+    full = weight_bytes_per_rank(cfg, FP16, FP16)
+    assert abs(full / 2 - 70.55e9) < 0.1e9  # ~70.6B parameters
+    assert weight_bytes_per_rank(cfg, FP16, FP16, tp=4) < full / 4 * 1.01
+    with pytest.raises(ValueError, match="attention heads"):
+        kv_heads_per_rank(preset_config("smollm2-135m"), 2)  # 9 heads
+    with pytest.raises(ValueError, match="KV heads"):
+        kv_heads_per_rank(_cfg(2, 12, 4), 6)
+
+
+def test_smallest_parallelism_is_the_first_that_fits():
+    cfg = preset_config("llama-3-70b")
+
+    def plan(tp, pp):
+        return plan_memory(cfg, "x", GPUS["h100-80gb"], tp, pp, "bfloat16", max_model_len=8192, max_num_seqs=32)
+
+    tp, pp = smallest_parallelism(plan)
+    assert plan(tp, pp).fits and (tp, pp) == (4, 1)
+    assert not plan(2, 1).fits and not plan(1, 2).fits and not plan(1, 3).fits
+
+
+def test_plan_cli_json_and_one_line_errors():
+    cmd = [sys.executable, "-m", "pagellm.cli", "plan", "--model", "llama-3-8b", "--gpu", "h200-141gb", "--json"]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert out["fits"] and out["kv_bytes_per_token_per_rank"] == 131072 and out["max_model_len"] == 8192
+    bad = subprocess.run([sys.executable, "-m", "pagellm.cli", "plan", "--model", "llama-3-70b", "--tp", "3",
+                          "--gpu", "h100-80gb"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and "attention heads" in bad.stderr
