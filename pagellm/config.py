@@ -55,6 +55,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    weight_format: str | None = None  # a quantized HF checkpoint's quant_method (gptq, awq, ...), for the logs
 
     def __post_init__(self):
         if not self.head_dim:

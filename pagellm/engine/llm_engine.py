@@ -141,7 +141,8 @@ class LLMEngine:
         logger.info(
             "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache (%s) %d blocks x %d tokens = "
             "%d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
-            path, cfg.architecture, _name(dtype), self.startup_seconds, self.weights_bytes / 2**20, _name(kv_dtype),
+            path, cfg.architecture + (f", {cfg.weight_format}" if cfg.weight_format else ""), _name(dtype),
+            self.startup_seconds, self.weights_bytes / 2**20, _name(kv_dtype),
             num_blocks,
             cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
             self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)

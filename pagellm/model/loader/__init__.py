@@ -16,6 +16,7 @@ from pagellm.config import ModelConfig
 from pagellm.model.loader.gguf_config import gguf_config
 from pagellm.model.loader.gguf_reader import GGUFFile, is_gguf
 from pagellm.model.loader.hf_loader import hf_config, iter_hf_weights
+from pagellm.quant.hf_formats.quant_config import METHODS as HF_QUANT_METHODS
 
 if TYPE_CHECKING:
     import torch
@@ -71,15 +72,20 @@ def load_config(path: str) -> ModelConfig:
     raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
 
 
-def iter_weights(path: str, config: ModelConfig, dtype: torch.dtype,
-                 packed: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, config: ModelConfig, dtype: torch.dtype, packed: bool = False,
+                 quantization: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF parameter name, tensor [out, in] in `dtype`); lm_head.weight is absent when tied.
-    packed=True adds GGUF block-format copies of quantized matrices (gguf_loader.iter_gguf_weights)."""
+    packed=True adds block-format copies of quantized matrices (GGUF blocks: gguf_loader.iter_gguf_weights;
+    GPTQ/AWQ/FP8/compressed-tensors: hf_loader.iter_hf_weights). quantization: --quantization, checked
+    against the checkpoint."""
     path = str(path)
     if is_gguf_path(path):
         from pagellm.model.loader.gguf_loader import iter_gguf_weights
 
+        if quantization in HF_QUANT_METHODS:
+            raise ValueError(f"--quantization {quantization} is for Hugging Face checkpoints; {path} is a GGUF "
+                             "file (its tensors declare their formats): use --quantization auto")
         return iter_gguf_weights(path, config, dtype, packed)
     if os.path.isdir(path):
-        return iter_hf_weights(path, config, dtype)
+        return iter_hf_weights(path, config, dtype, packed, quantization)
     raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")

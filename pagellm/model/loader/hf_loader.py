@@ -11,6 +11,7 @@ from pagellm.config import ModelConfig
 from pagellm.model.loader import model_checks as checks
 from pagellm.model.loader.model_file_error import ModelFileError
 from pagellm.model.loader.safetensors_header import read_safetensors_header
+from pagellm.quant.hf_formats.quant_config import HFQuantConfig, read_quant_config, resolve_quantization
 
 if TYPE_CHECKING:  # torch is imported by safetensors only when weights are actually read
     import torch
@@ -42,7 +43,9 @@ def hf_config(model_dir: str) -> ModelConfig:
         extra = [eos] if isinstance(eos, int) else list(eos or []) if isinstance(eos, list) else []
         config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + extra))
     checks.check_config_values(path, config)
-    _check_weight_shapes(model_dir, config)
+    qc = read_quant_config(model_dir, cfg)
+    config.weight_format = qc.method if qc is not None else None
+    _check_weight_shapes(model_dir, config, qc)
     return config
 
 
@@ -57,21 +60,65 @@ def _read_json_object(path: str) -> dict:
     return value
 
 
-def _check_weight_shapes(model_dir: str, config: ModelConfig) -> None:
-    """Shapes from the safetensors headers against the config, before the model is built from it.
+def _check_weight_shapes(model_dir: str, config: ModelConfig, qc: HFQuantConfig | None = None) -> None:
+    """Shapes from the safetensors headers against the config, before the model is built from it; a
+    quantized module's tensors are checked against its format and stand for its [out, in] weight.
     A directory without weights is left to iter_hf_weights (configs alone are read for rooflines)."""
     try:
         files = safetensors_files(model_dir)
     except FileNotFoundError:
         return
-    shapes: dict[str, tuple] = {}
+    header, where = _headers(files)
+    shapes = {_full_name(name): shape for name, (_, shape) in header.items()}
+    if qc is not None:
+        for prefix, (fmt, args, (n, k), err, info) in _quantized_modules(model_dir, config, qc, header, where).items():
+            fmt.check_shapes(err, qc, args, info, n, k)
+            for part in info:
+                del shapes[_full_name(f"{prefix}.{part}")]
+            shapes[_full_name(prefix + ".weight")] = (n, k)
+    checks.check_weight_shapes(model_dir, config, shapes, gguf_names=False)
+
+
+def _full_name(name: str) -> str:
+    # Some checkpoints drop the "model." prefix; load_weights accepts both.
+    return name if name.startswith(("model.", "lm_head.")) else "model." + name
+
+
+def _headers(files: list[str]) -> tuple[dict[str, tuple[str, tuple]], dict[str, str]]:
+    """(name -> (dtype, shape), name -> file) over all shards."""
+    header, where = {}, {}
     for path in files:
         if not os.path.isfile(path):
             raise ModelFileError(path, "shard listed in model.safetensors.index.json does not exist")
-        for name, (_, shape) in read_safetensors_header(path).items():
-            # Some checkpoints drop the "model." prefix; load_weights accepts both.
-            shapes[name if name.startswith(("model.", "lm_head.")) else "model." + name] = shape
-    checks.check_weight_shapes(model_dir, config, shapes, gguf_names=False)
+        for name, entry in read_safetensors_header(path).items():
+            header[name], where[name] = entry, path
+    return header, where
+
+
+def _quantized_modules(model_dir: str, config: ModelConfig, qc: HFQuantConfig, header: dict,
+                       where: dict) -> dict[str, tuple]:
+    """prefix -> (format module, WeightArgs, (out, in), error factory, part -> (dtype, shape)) of every
+    module the checkpoint stores quantized."""
+    from pagellm.quant.hf_formats import format_module, group_modules
+
+    fmt = format_module(qc.method)
+    expected, _ = checks.expected_shapes(config, gguf_names=False)
+    out = {}
+    for prefix, parts in group_modules(qc, header).items():
+        def err(part: str, what: str, prefix=prefix) -> ModelFileError:
+            name = f"{prefix}.{part}"
+            return ModelFileError(where.get(name, model_dir), what, f"tensor {name!r}")
+
+        first = next(iter(parts))
+        shape = expected.get(_full_name(prefix + ".weight"))
+        if shape is None or len(shape) != 2 or prefix.endswith("embed_tokens"):
+            raise err(first, "quantized tensor has no place in the model (pagellm quantizes linear layers only)")
+        args = qc.scheme_for(_full_name(prefix))
+        if args is None:
+            raise err(first, f"stored quantized, but {qc.path} leaves this module in float (ignore list / no "
+                      "config group targets it)")
+        out[prefix] = (fmt, args, shape, err, {p: header[n] for p, n in parts.items()})
+    return out
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -93,8 +140,16 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-def iter_hf_weights(model_dir: str, config: ModelConfig,
-                    dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model_dir: str, config: ModelConfig, dtype: torch.dtype, packed: bool = False,
+                    quantization: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in file order. A quantized checkpoint (or an explicit --quantization, checked against
+    it) yields each quantized module's dequantized weight and, with packed=True, its blocks right after
+    (name + PACKED_SUFFIX), as the GGUF loader does."""
+    qc = resolve_quantization(read_quant_config(model_dir, _read_json_object(os.path.join(model_dir, "config.json"))),
+                              quantization, model_dir)
+    if qc is not None:
+        yield from _iter_quantized(model_dir, config, dtype, packed, qc)
+        return
     from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(model_dir):
@@ -110,3 +165,42 @@ def iter_hf_weights(model_dir: str, config: ModelConfig,
                     yield name, f.get_tensor(name).to(dtype)
         except (SafetensorError, OSError) as e:
             raise ModelFileError(path, f"safetensors: {e}", f"tensor {name!r}" if name else None) from None
+
+
+def _iter_quantized(model_dir: str, config: ModelConfig, dtype: torch.dtype, packed: bool,
+                    qc: HFQuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from contextlib import ExitStack
+
+    from safetensors import SafetensorError, safe_open
+
+    from pagellm.quant.formats import PACKED_SUFFIX
+    from pagellm.quant.hf_formats.blocks import part_info
+
+    files = safetensors_files(model_dir)
+    header, where = _headers(files)
+    modules = _quantized_modules(model_dir, config, qc, header, where)
+    owner = {f"{prefix}.{part}": prefix for prefix, m in modules.items() for part in m[4]}
+    done, name = set(), None
+    try:
+        with ExitStack() as stack:
+            handles = {path: stack.enter_context(safe_open(path, framework="pt")) for path in files}
+            for name in header:
+                prefix = owner.get(name)
+                if prefix is None:
+                    if name.endswith(("rotary_emb.inv_freq", ".k_scale", ".v_scale")) or (
+                            name == "lm_head.weight" and config.tie_word_embeddings):
+                        continue  # recomputed, or KV-cache scales (the KV cache stays in its own dtype)
+                    yield name, handles[where[name]].get_tensor(name).to(dtype)
+                    continue
+                if prefix in done:
+                    continue
+                done.add(prefix)
+                fmt, args, (n, k), err, info = modules[prefix]
+                tensors = {p: handles[where[f"{prefix}.{p}"]].get_tensor(f"{prefix}.{p}") for p in info}
+                pw = fmt.to_packed(err, qc, args, tensors, n, k, part_info(tensors))
+                yield prefix + ".weight", pw.dequantize().to(dtype)
+                if packed:
+                    yield prefix + ".weight" + PACKED_SUFFIX, pw
+    except (SafetensorError, OSError) as e:
+        raise ModelFileError(where.get(name, model_dir), f"safetensors: {e}",
+                             f"tensor {name!r}" if name else None) from None

@@ -8,7 +8,7 @@ from pagellm.config import ModelConfig
 from pagellm.model.layers.custom_op import CustomOp
 from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.rotary import RotaryEmbedding
-from pagellm.model.loader import iter_weights
+from pagellm.model.loader import HF_QUANT_METHODS, iter_weights
 from pagellm.model.models.llama import MODEL_REGISTRY
 from pagellm.platforms import Platform
 
@@ -23,8 +23,9 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
     read them (each float copy is freed as soon as its packed twin has arrived; the tied embedding's at the
     end, its lookups then read rows of the packed LM head). auto_dtype: `--dtype auto` was asked for, so
     the platform may choose non-exact faster paths (bf16 many-row GEMMs). quantization: --quantization
-    (pagellm.config.QUANTIZATIONS); "none" computes with the dequantized float weights only."""
-    if quantization not in ("auto", "none"):
+    (pagellm.config.QUANTIZATIONS): auto follows the checkpoint; gptq/awq/fp8/compressed-tensors must match
+    its quantization_config; "none" computes with the dequantized float weights only."""
+    if quantization not in ("auto", "none", *HF_QUANT_METHODS):
         raise ValueError(f"--quantization {quantization} is not implemented yet")
     arch = cfg.architecture
     if arch not in MODEL_REGISTRY:
@@ -42,7 +43,8 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
             m.configure(choices)
     with platform.loading():
         # Packed (GGUF block) copies only where the kernels will read them.
-        model.load_weights(iter_weights(path, cfg, dtype, packed=choices.packed_kernels and quantization != "none"))
+        model.load_weights(iter_weights(path, cfg, dtype, packed=choices.packed_kernels and quantization != "none",
+                                        quantization=quantization))
         if cfg.tie_word_embeddings and choices.packed_weights_only and model.lm_head.packed is not None:
             emb = model.embed_tokens  # (the head's own float copy went in load_weights)
             emb.weight.data = torch.empty(0, emb.weight.shape[1], dtype=emb.weight.dtype)

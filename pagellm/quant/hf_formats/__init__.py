@@ -1,0 +1,40 @@
+"""Quantized Hugging Face checkpoints (GPTQ, AWQ, FP8, compressed-tensors) -> PackedWeight + float weight.
+
+`quant_config` reads the checkpoint's `quantization_config` (no torch); one module per format knows its
+tensor names (`PARTS`), checks their shapes against the layer's [out_features, in_features] before any
+weight is read (`check_shapes`, header data only) and turns them into blocks (`to_packed`). The loader
+(model/loader/hf_loader.py) groups a module's tensors with `group_modules` and calls `load_module`.
+"""
+
+from __future__ import annotations
+
+from pagellm.quant.hf_formats.quant_config import (
+    METHODS,
+    HFQuantConfig,
+    WeightArgs,
+    read_quant_config,
+    resolve_quantization,
+)
+
+__all__ = ["METHODS", "HFQuantConfig", "WeightArgs", "format_module", "group_modules", "read_quant_config",
+           "resolve_quantization"]
+
+
+def format_module(method: str):
+    """The module of one format (gptq, awq, fp8, compressed_tensors); imports torch."""
+    from pagellm.quant.hf_formats import awq, compressed_tensors, fp8, gptq
+
+    return {"gptq": gptq, "awq": awq, "fp8": fp8, "compressed-tensors": compressed_tensors}[method]
+
+
+def group_modules(qc: HFQuantConfig, header: dict[str, tuple[str, tuple]]) -> dict[str, dict[str, str]]:
+    """module prefix -> {part: tensor name} for every module stored quantized (name -> (dtype, shape) of all
+    the checkpoint's tensors). Other tensors (biases, norms, float layers) are not in it."""
+    fmt = format_module(qc.method)
+    by_module: dict[str, dict[str, str]] = {}
+    for name in header:
+        prefix, _, part = name.rpartition(".")
+        if part in fmt.PARTS:
+            by_module.setdefault(prefix, {})[part] = name
+    return {prefix: parts for prefix, parts in by_module.items()
+            if fmt.is_quantized({p: header[n] for p, n in parts.items()})}

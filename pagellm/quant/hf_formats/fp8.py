@@ -1,0 +1,56 @@
+"""FP8 weights (quant_method "fp8", vLLM / llm-compressor style; also compressed-tensors float-quantized):
+weight float8_e4m3fn [N, K] and a scale: per tensor (one value), per output channel ([N] or [N, 1]), or per
+2-D block (`weight_scale_inv` [ceil(N / bn), ceil(K / bk)], multiplied in despite its name). w = f8 * scale.
+An input_scale (static activation quantization) is read past: activations stay float32 (weight-only)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagellm.quant.formats import PackedWeight
+from pagellm.quant.hf_formats.blocks import (
+    FLOATS,
+    ErrorFn,
+    PartInfo,
+    blockwise_scale,
+    check_groups,
+    fp8_blocks,
+    per_channel_scale,
+    shape_of,
+)
+from pagellm.quant.hf_formats.quant_config import HFQuantConfig, WeightArgs
+
+PARTS = ("weight", "weight_scale", "weight_scale_inv", "input_scale")
+
+
+def is_quantized(parts: PartInfo) -> bool:
+    return parts.get("weight", ("", ()))[0].startswith("F8")
+
+
+def scale_part(parts: PartInfo) -> str:
+    return "weight_scale_inv" if "weight_scale_inv" in parts else "weight_scale"
+
+
+def check_shapes(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, parts: PartInfo, n: int, k: int) -> None:
+    check_groups(err, "weight", k, -1)
+    shape_of(err, parts, "weight", (n, k), f"out_features {n} x in_features {k}", ("F8_E4M3",))
+    part = scale_part(parts)
+    if args.block is not None:
+        bn, bk = args.block
+        want = (math.ceil(n / bn), math.ceil(k / bk))
+        shape_of(err, parts, part, want, f"one scale per {bn}x{bk} block of [{n}, {k}]", FLOATS)
+    else:
+        shape_of(err, parts, part, [(), (1,), (1, 1), (n,), (n, 1)],
+                 f"per tensor or per output channel, out_features {n}", FLOATS)
+    if "input_scale" in parts and math.prod(parts["input_scale"][1]) != 1:
+        raise err("input_scale", f"shape {list(parts['input_scale'][1])}: expected one value (per-tensor static)")
+
+
+def to_packed(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, tensors: dict[str, torch.Tensor], n: int,
+              k: int, parts: PartInfo) -> PackedWeight:
+    check_shapes(err, qc, args, parts, n, k)
+    scale = tensors[scale_part(parts)]
+    d = blockwise_scale(scale, n, k, args.block) if args.block else per_channel_scale(scale, n, k)
+    return fp8_blocks(tensors["weight"], d)
