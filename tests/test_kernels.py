@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pagellm.kernels import cpu_kernels, ops
 from pagellm.model.attention.base import AttentionMetadata
 from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
-from pagellm.quant.formats import FORMATS, PackedWeight, pack_gguf_blocks
+from pagellm.quant.formats import FORMATS, PackedWeight, group_size, pack_gguf_blocks
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native CPU kernels could not be built here")
 
@@ -26,20 +26,41 @@ def _random_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.nd
     return blocks
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def random_packed(kind: str, n: int, k: int, rng: np.random.Generator) -> PackedWeight:
+    """A valid PackedWeight of any kind: GGUF bytes for q4_1/q8_0, else random codes (fp8: any non-NaN
+    pattern) with scales in 0.001..0.1 and minimums in -0.5..0.1."""
+    if kind in FORMATS:
+        return pack_gguf_blocks(kind, _random_blocks(kind, n, k, rng), (n, k))
+    groups = k // group_size(kind)
+    d = torch.from_numpy(rng.uniform(0.001, 0.1, (n, groups)).astype(np.float32))
+    with_m = kind in ("q8_1", "q4_1_16", "q8_1_16")
+    m = torch.from_numpy(rng.uniform(-0.5, 0.1, (n, groups)).astype(np.float32)) if with_m else None
+    if kind == "q4_1_16":
+        return PackedWeight(kind, torch.from_numpy(rng.integers(0, 256, (n, k // 2), dtype=np.uint8)), d, m)
+    if kind == "fp8_e4m3":
+        qs = rng.integers(0, 256, (n, k), dtype=np.uint8)
+        qs[(qs & 0x7F) == 0x7F] = 0x3B
+        return PackedWeight(kind, torch.from_numpy(qs), d, m)
+    return PackedWeight(kind, torch.from_numpy(rng.integers(-128, 128, (n, k), dtype=np.int8)), d, m)
+
+
+@pytest.mark.parametrize("kind", sorted(ops.KERNEL_KINDS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 20])
 def test_packed_linear_matches_float32_weights(kind, rows):
     """Equal to the float64 product up to float32 summation error, whatever the order the build sums in
-    (SIMD lanes, or the portable build's sequential sum): |error| <= 2 k u sum_i |x_i w_i| + u |y|, u = 2^-24."""
+    (SIMD lanes, or the portable build's sequential sum): |error| <= 2 k u sum_i |x_i w_i| + u |y|, u = 2^-24.
+    Every row is computed alone, bit for bit (speculative verification must agree with one-row decoding)."""
     rng = np.random.default_rng(rows)
     n, k = 80, 96
-    w = pack_gguf_blocks(kind, _random_blocks(kind, n, k, rng), (n, k))
+    w = random_packed(kind, n, k, rng)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     ref = x.double() @ w.dequantize().double().t()
     got = ops.packed_linear(x, w)
     u = 2.0**-24
     bound = 2 * k * u * (x.double().abs() @ w.dequantize().double().abs().t()) + u * ref.abs()
     assert ((got.double() - ref).abs() <= bound).all()
+    for r in range(rows):
+        assert torch.equal(got[r], ops.packed_linear(x[r:r + 1], w)[0])
     # strided rows (a slice of a wider activation) give the same result
     wide = torch.randn(rows, k + 32)
     wide[:, :k] = x
@@ -54,7 +75,7 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * d).reshape(x.shape)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_1"])
 @pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().pagellm_has_simd(),
                     reason="without AVX2 the int8 entry points run the float32 path")
 def test_int8_activation_rows_are_independent_and_match_rounded_x(kind):
@@ -62,13 +83,13 @@ def test_int8_activation_rows_are_independent_and_match_rounded_x(kind):
     must agree with one-row decoding), and equals the float product of the weights with x rounded to int8."""
     rng = np.random.default_rng(7)
     n, k = 72, 160
-    w = pack_gguf_blocks(kind, _random_blocks(kind, n, k, rng), (n, k))
+    w = random_packed(kind, n, k, rng)
     x = torch.randn(20, k) * torch.linspace(0.1, 4, k)  # blocks of different magnitudes
     for rows in (1, 2, 3, 4, 5, 7, 9, 20):
         got = ops.packed_linear(x[:rows], w, int8_activations=True)
         for r in range(rows):
             assert torch.equal(got[r], ops.packed_linear(x[r:r + 1], w, int8_activations=True)[0])
-        # q4_1's minimums multiply the exact float sums of x; everything else sees the rounded x
+        # the minimums (q4_1, q8_1) multiply the exact float sums of x; everything else sees the rounded x
         if kind == "q8_0":
             ref = _int8_rows(x[:rows]).double() @ w.dequantize().double().t()
         else:

@@ -18,7 +18,7 @@ import numpy as np  # noqa: F401  (loads numpy's OpenBLAS, which _sgemm finds am
 import torch
 
 from pagellm.kernels.build import cpu_kernels, library
-from pagellm.quant.formats import FORMATS
+from pagellm.kernels.ops import KIND_CODES
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +98,12 @@ def packed_matmul(x: torch.Tensor, w) -> torch.Tensor | None:
     loader's exact values) into a cache-sized buffer and multiplied there. None when it cannot run here."""
     if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and _can_run()):
         return None
-    if w.kind not in FORMATS:
+    if w.kind not in KIND_CODES:
         raise ValueError(f"packed_matmul: unsupported block format {w.kind!r}")
     x = _rows(x, w.in_features)
     (m, k), n = x.shape, w.out_features
     y = torch.empty(m, n, dtype=torch.float32)
-    library().pagellm_packed_sgemm(_sgemm(), x.data_ptr(), x.stride(0), m, k, 0 if w.kind == "q4_1" else 1,
+    library().pagellm_packed_sgemm(_sgemm(), x.data_ptr(), x.stride(0), m, k, KIND_CODES[w.kind],
                                        w.qs.data_ptr(), w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), n,
                                        y.data_ptr(), n, torch.get_num_threads())
     return y

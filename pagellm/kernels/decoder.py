@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from pagellm.kernels.build import cpu_kernels, library
-from pagellm.kernels.ops import PAGED_ATTENTION_MAX_QUERIES, ptr
+from pagellm.kernels.ops import KIND_CODES, PAGED_ATTENTION_MAX_QUERIES, ptr
 from pagellm.quant.formats import PACKED_MAX_ROWS
 
 _p = ctypes.c_void_p
@@ -37,7 +37,7 @@ class DecoderDims(ctypes.Structure):
 
 def _matrix(linear) -> PackedMatrix:
     w = linear.packed
-    return PackedMatrix(0 if w.kind == "q4_1" else 1, w.out_features, w.in_features, w.qs.data_ptr(),
+    return PackedMatrix(KIND_CODES[w.kind], w.out_features, w.in_features, w.qs.data_ptr(),
                         w.d.data_ptr(), ptr(w.m), ptr(linear.bias))
 
 
@@ -76,7 +76,7 @@ class NativeDecoder:
     def supports(model) -> bool:
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        return cpu_kernels() is not None and all(m.packed is not None and m.packed.kind in ("q4_1", "q8_0")
+        return cpu_kernels() is not None and all(m.packed is not None and m.packed.kind in KIND_CODES
                                                  and m.packed.perm is None for m in linears) and \
             model.embed_tokens.weight.dtype == torch.float32 and model.layers[0].self_attn.head_dim % 8 == 0
 

@@ -21,8 +21,14 @@ def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-# PackedWeight kinds the native packed kernels (and blas.packed_matmul) read in place.
-KERNEL_KINDS = frozenset({"q4_1", "q8_0"})
+# PackedWeight kinds the native packed kernels (and blas.packed_matmul, the native decoder) read in place,
+# with the code the C++ side knows each by (cpu/quant_linear.cpp pagellm_packed_linear, cpu/gemm.cpp).
+KIND_CODES = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "fp8_e4m3": 3, "q4_1_16": 4, "q8_0_16": 5, "q8_1_16": 6}
+KERNEL_KINDS = frozenset(KIND_CODES)
+# Kinds with an int8-activation kernel; the others run their float32 kernel when int8 activations are asked
+# for. fp8: e4m3 values span 2^-9..448, which 8-bit integer dot products cannot hold exactly; the *_16
+# kinds: one scale per 16 weights would need a second scale per integer dot product (not built).
+INT8_ACTIVATION_KINDS = frozenset({"q4_1", "q8_0", "q8_1"})
 
 
 def kernel_reads(w: PackedWeight) -> bool:
@@ -32,21 +38,19 @@ def kernel_reads(w: PackedWeight) -> bool:
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = False) -> torch.Tensor:
     """x [M, K] (rows may be strided) @ W^T -> [M, N]. int8_activations: llama.cpp's scheme (x rounded
-    to int8 per 32-value block, integer dot products), faster for one row, no longer float32-exact."""
+    to int8 per 32-value block, integer dot products), faster for one row, no longer float32-exact; kinds
+    without such a kernel (INT8_ACTIVATION_KINDS) stay float32."""
+    if w.kind not in KIND_CODES:
+        raise ValueError(f"packed_linear: no kernel reads {w.kind!r} blocks")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    lib, (m, k), n = library(), x.shape, w.out_features
+    (m, k), n = x.shape, w.out_features
+    if k != w.in_features:
+        raise ValueError(f"packed_linear: x has {k} columns, the weight {w.in_features}")
     y = torch.empty(m, n, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    if w.kind == "q4_1":
-        fn = lib.pagellm_q4_1_linear_i8 if int8_activations else lib.pagellm_q4_1_linear
-        fn(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), n, y.data_ptr(), n,
-           threads)
-    elif w.kind == "q8_0":
-        fn = lib.pagellm_q8_0_linear_i8 if int8_activations else lib.pagellm_q8_0_linear
-        fn(x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), n, y.data_ptr(), n, threads)
-    else:
-        raise ValueError(f"packed_linear: no kernel reads {w.kind!r} blocks")
+    library().pagellm_packed_linear(KIND_CODES[w.kind], int(int8_activations and w.kind in INT8_ACTIVATION_KINDS),
+                                    x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), ptr(w.m), n,
+                                    y.data_ptr(), n, torch.get_num_threads())
     return y
 
 

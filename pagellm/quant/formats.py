@@ -28,17 +28,29 @@ FORMATS = {"q4_1": 20, "q8_0": 34}
 #   q8_1:     w = d * q + m, q int8 (qs int8 [N, K]): 5..8-bit codes with a zero point or minimum
 #   fp8_e4m3: w = d * f8(q), q the e4m3 bit pattern (qs uint8 [N, K]); d carries per-tensor, per-channel
 #             or block scales, repeated per 32-block
+#   q4_1_16, q8_0_16, q8_1_16: q4_1, q8_0, q8_1 with d (and m) per 16 weights (d, m: float32 [N, K/16]; same
+#             qs layout): GGUF's K-quants with 16-weight scale groups (Q6_K, Q3_K, Q2_K;
+#             pagellm/quant/gguf_blocks.py), and q8_1_16 the common kind of shards that differ (`unify`)
 # GPTQ/AWQ/compressed-tensors 4-bit groups are q4_1 (d = s, m = -s * z), per-channel or symmetric 8-bit
 # q8_0, asymmetric 8-bit q8_1. Which kinds the native kernels read is `pagellm.kernels.ops.kernel_reads`.
-KINDS = ("q4_1", "q8_0", "q8_1", "fp8_e4m3")
+KINDS = ("q4_1", "q8_0", "q8_1", "fp8_e4m3", "q4_1_16", "q8_0_16", "q8_1_16")
+NIBBLE_KINDS = ("q4_1", "q4_1_16")  # two 4-bit codes per byte
+# Kinds each kind converts to exactly (PackedWeight.as_kind).
+_WIDENINGS = {"q4_1": ("q8_1", "q4_1_16", "q8_1_16"), "q8_0": ("q8_1", "q8_0_16", "q8_1_16"), "q8_1": ("q8_1_16",),
+              "q4_1_16": ("q8_1_16",), "q8_0_16": ("q8_1_16",)}
+
+
+def group_size(kind: str) -> int:
+    """Weights per scale (d, m) along K."""
+    return 16 if kind.endswith("_16") else BLOCK
 
 
 @dataclass
 class PackedWeight:
     kind: str  # one of KINDS
-    qs: torch.Tensor  # q4_1: uint8 [N, K/2] (two weights per byte); q8_0/q8_1: int8 [N, K]; fp8: uint8 [N, K]
-    d: torch.Tensor  # float32 [N, K/32] block scales
-    m: torch.Tensor | None  # float32 [N, K/32] block minimums (q4_1, q8_1)
+    qs: torch.Tensor  # q4_1(_16): uint8 [N, K/2] (two weights per byte); q8_*: int8 [N, K]; fp8: uint8 [N, K]
+    d: torch.Tensor  # float32 [N, K/group_size(kind)] scales
+    m: torch.Tensor | None  # float32, d's shape: minimums (q4_1, q8_1, q4_1_16, q8_1_16)
     # Input-column order of the blocks (GPTQ act-order: columns sorted by group): y = x[:, perm] @ W_p^T.
     # None: the natural order.
     perm: torch.Tensor | None = None
@@ -49,7 +61,7 @@ class PackedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.d.shape[1] * BLOCK
+        return self.qs.shape[1] * (2 if self.kind in NIBBLE_KINDS else 1)
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +85,37 @@ class PackedWeight:
         return PackedWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m,
                             perms[0])
 
+    def as_kind(self, kind: str) -> PackedWeight:
+        """The same weights, exactly, in a kind that can hold them: nibbles as int8 codes, 32-weight scales
+        repeated per 16, a missing minimum as 0 (d * q + 0 = d * q). Fused layers whose GGUF shards differ
+        (Q4_K_M's Q4_K q/k beside a Q6_K v) meet in one kind this way (`unify`)."""
+        if kind == self.kind:
+            return self
+        if kind not in _WIDENINGS.get(self.kind, ()):
+            raise ValueError(f"a {self.kind} weight cannot be held exactly as {kind}")
+        qs, d, m = self.qs, self.d, self.m
+        if self.kind in NIBBLE_KINDS and kind not in NIBBLE_KINDS:
+            q = qs.reshape(-1, BLOCK // 2)
+            qs = torch.cat([q & 15, q >> 4], dim=1).to(torch.int8).reshape(self.out_features, -1)
+        if group_size(kind) != group_size(self.kind):
+            d = d.repeat_interleave(2, dim=1)
+            m = None if m is None else m.repeat_interleave(2, dim=1)
+        if m is None and kind in ("q8_1", "q4_1_16", "q8_1_16"):
+            m = torch.zeros_like(d)
+        return PackedWeight(kind, qs, d, m, self.perm)
+
+    @staticmethod
+    def unify(parts: list[PackedWeight]) -> list[PackedWeight]:
+        """The parts in their common kind (the first of q8_1, q4_1_16, q8_1_16 that holds them all), or
+        unchanged when they share a kind or none holds them (fp8 beside integers: cat then refuses)."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) == 1:
+            return parts
+        for common in ("q8_1", "q4_1_16", "q8_1_16"):
+            if all(k == common or common in _WIDENINGS.get(k, ()) for k in kinds):
+                return [p.as_kind(common) for p in parts]
+        return parts
+
     def dequantize(self, natural_order: bool = True) -> torch.Tensor:
         """[N, K] float32, the same values the GGUF loader produces (for tests). natural_order=False keeps
         the blocks' column order (perm), the one a kernel multiplies x[:, perm] with."""
@@ -83,15 +126,14 @@ class PackedWeight:
 
     def _dequantize_blocks(self) -> torch.Tensor:
         n = self.out_features
-        d = self.d.reshape(-1, 1)
-        if self.kind == "q4_1":
+        if self.kind in NIBBLE_KINDS:
             q = self.qs.reshape(-1, BLOCK // 2)
             q = torch.cat([q & 15, q >> 4], dim=1).float()
         elif self.kind == "fp8_e4m3":
-            q = self.qs.reshape(-1, BLOCK).view(torch.float8_e4m3fn).float()
+            q = self.qs.view(torch.float8_e4m3fn).float()
         else:
-            q = self.qs.reshape(-1, BLOCK).float()
-        w = q * d
+            q = self.qs.float()
+        w = q.reshape(-1, group_size(self.kind)) * self.d.reshape(-1, 1)
         if self.m is not None:
             w = w + self.m.reshape(-1, 1)
         return w.reshape(n, -1)

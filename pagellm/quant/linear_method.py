@@ -73,10 +73,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class GGUFBlocksLinearMethod(LinearMethod):
-    """q4_1/q8_0 blocks: few-row products (decode, verification: at most PACKED_MAX_ROWS rows) read the
-    blocks in place through the native kernels, optionally on int8 activations; many-row ones use the float
-    weight, or, once it is dropped (packed_weights_only), dequantize 128-column slices into a cache-sized
-    buffer for OpenBLAS (the loader's exact values, so the same products)."""
+    """Block-format weights (every kind ops.kernel_reads): few-row products (decode, verification: at most
+    PACKED_MAX_ROWS rows) read the blocks in place through the native kernels, optionally on int8
+    activations; many-row ones use the float weight, or, once it is dropped (packed_weights_only),
+    dequantize 128-column slices into a cache-sized buffer for OpenBLAS (the loader's exact values, so the
+    same products)."""
 
     name = "gguf_blocks"
 

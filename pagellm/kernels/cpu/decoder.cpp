@@ -7,14 +7,8 @@
 #include <vector>
 
 extern "C" {
-void pagellm_q4_1_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
-                         const float* m, int N, float* y, int64_t ldy, int nthreads);
-void pagellm_q8_0_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d, int N,
-                         float* y, int64_t ldy, int nthreads);
-void pagellm_q4_1_linear_i8(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
-                            const float* m, int N, float* y, int64_t ldy, int nthreads);
-void pagellm_q8_0_linear_i8(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d, int N,
-                            float* y, int64_t ldy, int nthreads);
+void pagellm_packed_linear(int kind, int int8_x, const float* x, int64_t ldx, int M, int K, const void* qs,
+                           const float* d, const float* m, int N, float* y, int64_t ldy, int nthreads);
 void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, float* out, int T, int C, float eps,
                          int nthreads);
 void pagellm_rope(float* x, int64_t ldx, int T, int heads, int D, const float* cos_table, const float* sin_table,
@@ -30,7 +24,7 @@ int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, co
 
 // Mirrors of the ctypes Structures in pagellm/kernels/decoder.py (field order and types must match).
 struct PackedMatrix {
-    int32_t kind;  // 0: q4_1, 1: q8_0
+    int32_t kind;  // pagellm/kernels/ops.py KIND_CODES (0: q4_1, 1: q8_0, ...)
     int32_t out_features, in_features;
     const void* qs;
     const float* d;
@@ -54,14 +48,8 @@ struct DecoderDims {
 };
 
 static void matmul(const PackedMatrix& w, const float* x, int T, float* y, bool int8_x, int nthreads) {
-    auto q4 = int8_x ? pagellm_q4_1_linear_i8 : pagellm_q4_1_linear;
-    auto q8 = int8_x ? pagellm_q8_0_linear_i8 : pagellm_q8_0_linear;
-    if (w.kind == 0)
-        q4(x, w.in_features, T, w.in_features, static_cast<const uint8_t*>(w.qs), w.d, w.m, w.out_features, y,
-           w.out_features, nthreads);
-    else
-        q8(x, w.in_features, T, w.in_features, static_cast<const int8_t*>(w.qs), w.d, w.out_features, y,
-           w.out_features, nthreads);
+    pagellm_packed_linear(w.kind, int8_x, x, w.in_features, T, w.in_features, w.qs, w.d, w.m, w.out_features, y,
+                          w.out_features, nthreads);
     if (w.bias)
         for (int t = 0; t < T; ++t)
             for (int i = 0; i < w.out_features; ++i) y[(int64_t)t * w.out_features + i] += w.bias[i];

@@ -43,39 +43,44 @@ extern "C" void pagellm_sgemm(void* sgemm, const float* x, int64_t ldx, int64_t 
 }
 
 namespace {
-// Rows [n0, n1) of a packed weight (layout of PackedWeight in pagellm/quant/formats.py) as float32 [n, K],
-// equal, bit for bit, to the float32 weights the GGUF loader produces (q * d, then + m): q * d is exact
-// in float32 (an f16 scale times an integer of at most 8 bits), so fusing the multiply and add changes
-// nothing.
+// Rows [n0, n1) of a packed weight (layout of PackedWeight in pagellm/quant/formats.py; kind codes of
+// pagellm/kernels/ops.py KIND_CODES) as float32 [n, K], equal, bit for bit, to PackedWeight.dequantize()
+// and so to the float32 weights the GGUF loader produces (q * d, then + m): for the integer kinds q * d
+// is exact in float32 (an f16-derived scale of at most 17 significant bits times a code of at most 8),
+// so fusing the multiply and add changes nothing; fp8 is one rounded product, d * f8(q).
 void dequantize_rows(int kind, const void* qs, const float* d, const float* m, int64_t K, int64_t n0, int64_t n1,
                      float* out) {
     const int64_t nb = K / 32;
+    const bool nibbles = kind == 0 || kind == 4, per16 = kind >= 4;
+    const int64_t q_per_block = nibbles ? 16 : 32;
     for (int64_t n = n0; n < n1; ++n)
         for (int64_t b = 0; b < nb; ++b) {
             const int64_t blk = n * nb + b;
+            const int64_t g0 = per16 ? 2 * blk : blk, g1 = per16 ? 2 * blk + 1 : blk;  // the two halves' scales
             float* o = out + (n - n0) * K + b * 32;
-            const float db = d[blk];
+            const auto* u8 = static_cast<const uint8_t*>(qs) + blk * q_per_block;
+            const auto* i8 = static_cast<const int8_t*>(qs) + blk * q_per_block;
 #if defined(__AVX2__) && defined(__FMA__)
-            const __m256 vd = _mm256_set1_ps(db);
-            const Quants q = kind == 0 ? unpack_q4(static_cast<const uint8_t*>(qs) + blk * 16)
-                                       : unpack_q8(static_cast<const int8_t*>(qs) + blk * 32);
-            const __m256 vm = _mm256_set1_ps(kind == 0 ? m[blk] : 0.f);
-            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(q.q[i], vd, vm));
+            const Quants q = nibbles ? unpack_q4(u8) : kind == 3 ? unpack_fp8(u8) : unpack_q8(i8);
+            for (int i = 0; i < 4; ++i) {
+                const int64_t g = i < 2 ? g0 : g1;
+                const __m256 vd = _mm256_set1_ps(d[g]);
+                _mm256_storeu_ps(o + 8 * i, m ? _mm256_fmadd_ps(q.q[i], vd, _mm256_set1_ps(m[g]))
+                                              : _mm256_mul_ps(q.q[i], vd));
+            }
 #else
             for (int j = 0; j < 32; ++j) {
-                if (kind == 0) {
-                    const uint8_t byte = static_cast<const uint8_t*>(qs)[blk * 16 + (j & 15)];
-                    o[j] = (float)(j < 16 ? byte & 15 : byte >> 4) * db + m[blk];
-                } else {
-                    o[j] = (float)static_cast<const int8_t*>(qs)[blk * 32 + j] * db;
-                }
+                const int64_t g = j < 16 ? g0 : g1;
+                const float q = nibbles ? (float)(j < 16 ? u8[j] & 15 : u8[j - 16] >> 4)
+                                        : kind == 3 ? fp8_e4m3_value(u8[j]) : (float)i8[j];
+                o[j] = m ? q * d[g] + m[g] : q * d[g];
             }
 #endif
         }
 }
 }  // namespace
 
-// y[M, N] = x[M, K] @ W^T for a packed weight W [N, K] (kind 0: q4_1, 1: q8_0) with no float32 copy in
+// y[M, N] = x[M, K] @ W^T for a packed weight W [N, K] (any kind code) with no float32 copy in
 // memory: each thread dequantizes slices of kSlice output columns into a small buffer (cache-resident)
 // and multiplies it with the single-threaded sgemm. For many rows the dequantization is a small part
 // of the work (K multiply-adds per weight vs 2*M*K for the product).

@@ -1,10 +1,16 @@
-// y[M, N] = x[M, K] @ W^T for weights kept in GGUF block formats (32 weights per block along K):
-//   q4_1: w = d * q + m, q in 0..15 (16 bytes per block: byte j holds element j low, element j + 16 high)
-//   q8_0: w = d * q,     q in -128..127 (32 bytes per block)
-// The arithmetic is float32 throughout (y = sum over blocks of d * (q . x) + m * sum(x)): the same
-// weights as the dequantized float32 path, reading 4-6x fewer bytes, differing only in rounding order.
+// y[M, N] = x[M, K] @ W^T for weights kept in block formats (PackedWeight, pagellm/quant/formats.py),
+// 32 weights per block along K:
+//   q4_1:     w = d * q + m, q in 0..15 (16 bytes per block: byte j holds element j low, element j + 16 high)
+//   q8_0:     w = d * q,     q in -128..127 (32 bytes per block)
+//   q8_1:     w = d * q + m, q int8
+//   fp8_e4m3: w = d * f8(q), q the e4m3 bit pattern (decoded exactly, simd.h)
+//   q4_1_16, q8_0_16, q8_1_16: as q4_1, q8_0, q8_1 with d (and m) per 16 weights (GGUF's K-quant scale
+//             groups): two scales per 32-block, elements 0..15 and 16..31
+// The arithmetic is float32 throughout (y = sum over groups of d * (q . x) + m * sum(x)): the same
+// weights as the dequantized float32 path, reading 3-6x fewer bytes, differing only in rounding order.
 // Meant for few rows (decode, speculative verification): each block's quants are converted once per
-// tile of up to 8 rows, so cost grows with M where a float32 GEMM's does not.
+// tile of up to 8 rows, so cost grows with M where a float32 GEMM's does not. Every row is computed by
+// the same operations whatever M, so a row's result does not depend on the rows beside it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,67 +24,72 @@
 
 namespace {
 
-// R rows of x against output column n. Per block, y += d * (q . x) (+ m * sum(x), added at the end
-// from per-block row sums computed once per call): each block's quants are converted once and used
-// for all R rows, and no weight is ever materialised.
-template <int R, typename Q, Quants (*Unpack)(const Q*)>
+// R rows of x against output column n. Per group of G (32 or 16) weights, y += d * (q . x) (+ m * sum(x),
+// added at the end from per-group row sums computed once per call): each block's quants are converted
+// once and used for all R rows, and no weight is ever materialised.
+template <int R, int G, typename Q, Quants (*Unpack)(const Q*)>
 inline void column(const float* x, int64_t ldx, int K, const Q* qs, int64_t q_per_block, const float* d,
                    const float* m, const float* xsum, float* y, int64_t ldy) {
-    const int nb = K / 32;
+    const int nb = K / 32, ng = K / G;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
         Quants w = Unpack(qs + b * q_per_block);
-        __m256 vd = _mm256_set1_ps(d[b]);
+        const __m256 d0 = _mm256_set1_ps(d[b * 32 / G]), d1 = _mm256_set1_ps(d[b * 32 / G + (G == 16)]);
         for (int r = 0; r < R; ++r) {
             const float* xb = x + r * ldx + b * 32;
             __m256 t = _mm256_mul_ps(w.q[0], _mm256_loadu_ps(xb));
             t = _mm256_fmadd_ps(w.q[1], _mm256_loadu_ps(xb + 8), t);
-            t = _mm256_fmadd_ps(w.q[2], _mm256_loadu_ps(xb + 16), t);
+            if (G == 16) {  // the block's first group is complete: scale it, start the second
+                acc[r] = _mm256_fmadd_ps(d0, t, acc[r]);
+                t = _mm256_mul_ps(w.q[2], _mm256_loadu_ps(xb + 16));
+            } else {
+                t = _mm256_fmadd_ps(w.q[2], _mm256_loadu_ps(xb + 16), t);
+            }
             t = _mm256_fmadd_ps(w.q[3], _mm256_loadu_ps(xb + 24), t);
-            acc[r] = _mm256_fmadd_ps(vd, t, acc[r]);
+            acc[r] = _mm256_fmadd_ps(d1, t, acc[r]);
         }
     }
     for (int r = 0; r < R; ++r) {
-        y[r * ldy] = hsum8(acc[r]) + (m ? dot(m, xsum + r * nb, nb) : 0.f);
+        y[r * ldy] = hsum8(acc[r]) + (m ? dot(m, xsum + r * ng, ng) : 0.f);
     }
 }
 
-template <typename Q, Quants (*Unpack)(const Q*)>
+template <int G, typename Q, Quants (*Unpack)(const Q*)>
 void linear(const float* x, int64_t ldx, int M, int K, const Q* qs, int64_t q_per_block, const float* d,
             const float* m, int N, float* y, int64_t ldy, int nthreads) {
-    const int nb = K / 32;
+    const int nb = K / 32, ng = K / G;
     const int64_t q_row = nb * q_per_block;
     float* xsum = nullptr;
-    if (m) {  // per-row, per-block sums of x for the q4_1 minimums
-        xsum = new float[(int64_t)M * nb];
+    if (m) {  // per-row, per-group sums of x for the minimums
+        xsum = new float[(int64_t)M * ng];
         for (int r = 0; r < M; ++r)
-            for (int b = 0; b < nb; ++b) {
+            for (int g = 0; g < ng; ++g) {
                 float s = 0.f;
-                for (int j = 0; j < 32; ++j) s += x[r * ldx + b * 32 + j];
-                xsum[r * nb + b] = s;
+                for (int j = 0; j < G; ++j) s += x[r * ldx + g * G + j];
+                xsum[r * ng + g] = s;
             }
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int n = 0; n < N; ++n) {
         const Q* qn = qs + n * q_row;
-        const float* dn = d + (int64_t)n * nb;
-        const float* mn = m ? m + (int64_t)n * nb : nullptr;
+        const float* dn = d + (int64_t)n * ng;
+        const float* mn = m ? m + (int64_t)n * ng : nullptr;
         int r = 0;
         for (; r + 8 <= M; r += 8)
-            column<8, Q, Unpack>(x + r * ldx, ldx, K, qn, q_per_block, dn, mn, xsum ? xsum + r * nb : nullptr,
-                                 y + r * ldy + n, ldy);
+            column<8, G, Q, Unpack>(x + r * ldx, ldx, K, qn, q_per_block, dn, mn, xsum ? xsum + r * ng : nullptr,
+                                    y + r * ldy + n, ldy);
         const float* xr = x + r * ldx;
-        const float* sr = xsum ? xsum + r * nb : nullptr;
+        const float* sr = xsum ? xsum + r * ng : nullptr;
         float* yr = y + r * ldy + n;
         switch (M - r) {
-            case 7: column<7, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
-            case 6: column<6, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
-            case 5: column<5, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
-            case 4: column<4, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
-            case 3: column<3, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
-            case 2: column<2, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
-            case 1: column<1, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
+            case 7: column<7, G, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
+            case 6: column<6, G, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
+            case 5: column<5, G, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
+            case 4: column<4, G, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
+            case 3: column<3, G, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
+            case 2: column<2, G, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
+            case 1: column<1, G, Q, Unpack>(xr, ldx, K, qn, q_per_block, dn, mn, sr, yr, ldy); break;
             default: break;
         }
     }
@@ -215,14 +226,44 @@ extern "C" void pagellm_q8_0_linear_i8(const float* x, int64_t ldx, int M, int K
     linear_i8<int8_t>(x, ldx, M, K, qs, 32, d, nullptr, N, y, ldy, nthreads);
 }
 
+extern "C" void pagellm_q8_1_linear_i8(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
+                                       const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    linear_i8<int8_t>(x, ldx, M, K, qs, 32, d, m, N, y, ldy, nthreads);
+}
+
 extern "C" void pagellm_q4_1_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
                                     const float* m, int N, float* y, int64_t ldy, int nthreads) {
-    linear<uint8_t, unpack_q4>(x, ldx, M, K, qs, 16, d, m, N, y, ldy, nthreads);
+    linear<32, uint8_t, unpack_q4>(x, ldx, M, K, qs, 16, d, m, N, y, ldy, nthreads);
 }
 
 extern "C" void pagellm_q8_0_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
                                     int N, float* y, int64_t ldy, int nthreads) {
-    linear<int8_t, unpack_q8>(x, ldx, M, K, qs, 32, d, nullptr, N, y, ldy, nthreads);
+    linear<32, int8_t, unpack_q8>(x, ldx, M, K, qs, 32, d, nullptr, N, y, ldy, nthreads);
+}
+
+extern "C" void pagellm_q8_1_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
+                                    const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    linear<32, int8_t, unpack_q8>(x, ldx, M, K, qs, 32, d, m, N, y, ldy, nthreads);
+}
+
+extern "C" void pagellm_fp8_e4m3_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs,
+                                        const float* d, int N, float* y, int64_t ldy, int nthreads) {
+    linear<32, uint8_t, unpack_fp8>(x, ldx, M, K, qs, 32, d, nullptr, N, y, ldy, nthreads);
+}
+
+extern "C" void pagellm_q4_1_16_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
+                                       const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    linear<16, uint8_t, unpack_q4>(x, ldx, M, K, qs, 16, d, m, N, y, ldy, nthreads);
+}
+
+extern "C" void pagellm_q8_0_16_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
+                                       int N, float* y, int64_t ldy, int nthreads) {
+    linear<16, int8_t, unpack_q8>(x, ldx, M, K, qs, 32, d, nullptr, N, y, ldy, nthreads);
+}
+
+extern "C" void pagellm_q8_1_16_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
+                                       const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    linear<16, int8_t, unpack_q8>(x, ldx, M, K, qs, 32, d, m, N, y, ldy, nthreads);
 }
 
 #else  // portable version: the same arithmetic, left to the compiler's vectorizer
@@ -249,23 +290,61 @@ void linear_portable(const float* x, int64_t ldx, int M, int K, int N, float* y,
 
 extern "C" int pagellm_has_simd() { return 0; }
 
+// G: weights per scale (32, or 16 for the *_16 kinds); code: element j of block b of row n as a float.
+#define PORTABLE_LINEAR(name, Q, G, code, with_m)                                                             \
+    static void name(const float* x, int64_t ldx, int M, int K, const Q* qs, const float* d,                   \
+                         const float* m, int N, float* y, int64_t ldy, int nthreads) {                         \
+        linear_portable(x, ldx, M, K, N, y, ldy, nthreads, [=](int n, int b, int j) {                          \
+            const int64_t g = (int64_t)n * (K / G) + (b * 32 + j) / G;                                          \
+            const float q = code;                                                                               \
+            return with_m ? q * d[g] + m[g] : q * d[g];                                                         \
+        });                                                                                                     \
+    }
+#define NIBBLE(qs) (float)(j < 16 ? qs[((int64_t)n * (K / 32) + b) * 16 + j] & 15 : qs[((int64_t)n * (K / 32) + b) * 16 + j - 16] >> 4)
+#define BYTE(qs) qs[((int64_t)n * (K / 32) + b) * 32 + j]
+PORTABLE_LINEAR(q4_1_portable, uint8_t, 32, NIBBLE(qs), true)
+PORTABLE_LINEAR(q8_0_portable, int8_t, 32, (float)BYTE(qs), false)
+PORTABLE_LINEAR(q8_1_portable, int8_t, 32, (float)BYTE(qs), true)
+PORTABLE_LINEAR(fp8_portable, uint8_t, 32, fp8_e4m3_value(BYTE(qs)), false)
+PORTABLE_LINEAR(q4_1_16_portable, uint8_t, 16, NIBBLE(qs), true)
+PORTABLE_LINEAR(q8_0_16_portable, int8_t, 16, (float)BYTE(qs), false)
+PORTABLE_LINEAR(q8_1_16_portable, int8_t, 16, (float)BYTE(qs), true)
+
+extern "C" void pagellm_q8_1_16_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
+                                       const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    q8_1_16_portable(x, ldx, M, K, qs, d, m, N, y, ldy, nthreads);
+}
+
 extern "C" void pagellm_q4_1_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
                                     const float* m, int N, float* y, int64_t ldy, int nthreads) {
-    const int nb = K / 32;
-    linear_portable(x, ldx, M, K, N, y, ldy, nthreads, [=](int n, int b, int j) {
-        uint8_t byte = qs[((int64_t)n * nb + b) * 16 + (j & 15)];
-        float q = (float)(j < 16 ? byte & 15 : byte >> 4);
-        return d[(int64_t)n * nb + b] * q + m[(int64_t)n * nb + b];
-    });
+    q4_1_portable(x, ldx, M, K, qs, d, m, N, y, ldy, nthreads);
 }
 
 extern "C" void pagellm_q8_0_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
                                     int N, float* y, int64_t ldy, int nthreads) {
-    const int nb = K / 32;
-    linear_portable(x, ldx, M, K, N, y, ldy, nthreads, [=](int n, int b, int j) {
-        return (float)qs[((int64_t)n * nb + b) * 32 + j] * d[(int64_t)n * nb + b];
-    });
+    q8_0_portable(x, ldx, M, K, qs, d, nullptr, N, y, ldy, nthreads);
 }
+
+extern "C" void pagellm_q8_1_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
+                                    const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    q8_1_portable(x, ldx, M, K, qs, d, m, N, y, ldy, nthreads);
+}
+
+extern "C" void pagellm_q4_1_16_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
+                                       const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    q4_1_16_portable(x, ldx, M, K, qs, d, m, N, y, ldy, nthreads);
+}
+
+extern "C" void pagellm_fp8_e4m3_linear(const float* x, int64_t ldx, int M, int K, const uint8_t* qs,
+                                        const float* d, int N, float* y, int64_t ldy, int nthreads) {
+    fp8_portable(x, ldx, M, K, qs, d, nullptr, N, y, ldy, nthreads);
+}
+
+extern "C" void pagellm_q8_0_16_linear(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
+                                       int N, float* y, int64_t ldy, int nthreads) {
+    q8_0_16_portable(x, ldx, M, K, qs, d, nullptr, N, y, ldy, nthreads);
+}
+
 // No integer dot products here: the int8-activation entry points run the float path.
 extern "C" void pagellm_q4_1_linear_i8(const float* x, int64_t ldx, int M, int K, const uint8_t* qs, const float* d,
                                        const float* m, int N, float* y, int64_t ldy, int nthreads) {
@@ -276,4 +355,31 @@ extern "C" void pagellm_q8_0_linear_i8(const float* x, int64_t ldx, int M, int K
                                        int N, float* y, int64_t ldy, int nthreads) {
     pagellm_q8_0_linear(x, ldx, M, K, qs, d, N, y, ldy, nthreads);
 }
+
+extern "C" void pagellm_q8_1_linear_i8(const float* x, int64_t ldx, int M, int K, const int8_t* qs, const float* d,
+                                       const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    pagellm_q8_1_linear(x, ldx, M, K, qs, d, m, N, y, ldy, nthreads);
+}
 #endif
+
+// One entry for every kind (codes: pagellm/kernels/ops.py KIND_CODES; the native decoder calls it too).
+// int8_x selects the int8-activation kernel where the kind has one (q4_1, q8_0, q8_1), else the float one.
+extern "C" void pagellm_packed_linear(int kind, int int8_x, const float* x, int64_t ldx, int M, int K,
+                                      const void* qs, const float* d, const float* m, int N, float* y, int64_t ldy,
+                                      int nthreads) {
+    const auto* u8 = static_cast<const uint8_t*>(qs);
+    const auto* i8 = static_cast<const int8_t*>(qs);
+    switch (kind) {
+        case 0: (int8_x ? pagellm_q4_1_linear_i8 : pagellm_q4_1_linear)(x, ldx, M, K, u8, d, m, N, y, ldy, nthreads);
+            break;
+        case 1: (int8_x ? pagellm_q8_0_linear_i8 : pagellm_q8_0_linear)(x, ldx, M, K, i8, d, N, y, ldy, nthreads);
+            break;
+        case 2: (int8_x ? pagellm_q8_1_linear_i8 : pagellm_q8_1_linear)(x, ldx, M, K, i8, d, m, N, y, ldy, nthreads);
+            break;
+        case 3: pagellm_fp8_e4m3_linear(x, ldx, M, K, u8, d, N, y, ldy, nthreads); break;
+        case 4: pagellm_q4_1_16_linear(x, ldx, M, K, u8, d, m, N, y, ldy, nthreads); break;
+        case 5: pagellm_q8_0_16_linear(x, ldx, M, K, i8, d, N, y, ldy, nthreads); break;
+        case 6: pagellm_q8_1_16_linear(x, ldx, M, K, i8, d, m, N, y, ldy, nthreads); break;
+        default: break;
+    }
+}

@@ -40,11 +40,12 @@ class Linear(nn.Module):
         self.quant_method.load_shard(self, start, tensor)
 
     def add_packed_shard(self, shard: int, weight: PackedWeight) -> None:
-        """Block-format shards; when all have come in one format, the layer computes with them."""
+        """Block-format shards; when all have come, in one kind or in kinds one kind holds exactly
+        (PackedWeight.unify), the layer computes with them."""
         self._packed_shards[shard] = weight
         if sorted(self._packed_shards) != list(range(self.shards)):
             return
-        packed = PackedWeight.cat([self._packed_shards[i] for i in range(self.shards)])
+        packed = PackedWeight.cat(PackedWeight.unify([self._packed_shards[i] for i in range(self.shards)]))
         self._packed_shards = {}
         if packed is not None and (packed.in_features, packed.out_features) == (self.in_features,
                                                                                  self.out_features):

@@ -14,7 +14,8 @@ from gguf.quants import dequantize
 
 from pagellm.config import ModelConfig
 from pagellm.model.loader.gguf_reader import GGUFFile
-from pagellm.quant.formats import PACKED_SUFFIX, PackedWeight, pack_gguf_blocks
+from pagellm.quant.formats import PACKED_SUFFIX, PackedWeight
+from pagellm.quant.gguf_blocks import PACKERS, pack_gguf_tensor
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -76,7 +77,9 @@ def _q4_1(raw: np.ndarray) -> torch.Tensor:
 # gguf.quants does these in single-threaded numpy at ~5x the cost; they are the common formats of small
 # models, so they get torch fast paths (tests check them bit-exact against gguf.quants).
 _FAST = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1}
-_PACKABLE = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0"}  # formats the native few-row kernels read directly
+# Types kept in block form (pagellm/quant/gguf_blocks.py maps each exactly onto a PackedWeight kind); the
+# others (IQ*, TQ*, MXFP4, ...) are dequantized to float at load.
+_PACKABLE = frozenset(Q[name] for name in PACKERS)
 _PLAIN = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -106,7 +109,7 @@ def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
                       packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """Dequantize tensor by tensor. torch runs single-threaded until the stream is exhausted or closed.
 
-    With packed=True, every q4_1 / q8_0 matrix is also yielded in its block form, named
+    With packed=True, every matrix of a type in _PACKABLE is also yielded in its block form, named
     `<hf name>` + PACKED_SUFFIX, right after its dequantized self (see pagellm/quant/formats.py)."""
     gf = GGUFFile(path)
     # llama.cpp's llama converter (also used for Mistral) permutes Q/K rows; its qwen2 converter does not.
@@ -122,9 +125,9 @@ def iter_gguf_weights(path: str, config: ModelConfig, dtype: torch.dtype,
         if heads:
             w = unpermute_rotary(w, heads)
         out = [(hf_name(name), w.to(dtype).contiguous())]
-        kind = _PACKABLE.get(gf.tensors[name].qtype)
-        if packed and kind and w.ndim == 2 and w.shape[1] % 32 == 0:
-            pw = pack_gguf_blocks(kind, gf.raw(name), tuple(w.shape))
+        qtype = gf.tensors[name].qtype
+        if packed and qtype in _PACKABLE and w.ndim == 2 and w.shape[1] % 32 == 0:
+            pw = pack_gguf_tensor(qtype.name, gf.raw(name), tuple(w.shape), name)
             if heads:
                 pw = pw.rows(unpermute_rotary(torch.arange(w.shape[0]), heads))
             out.append((hf_name(name) + PACKED_SUFFIX, pw))
