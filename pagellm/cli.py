@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagellm.plan.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
+    from pagellm.quant.quantize_cli import add_quantize_parser
+
+    add_quantize_parser(sub)
     return p
 
 

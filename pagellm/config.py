@@ -188,6 +188,8 @@ class EngineArgs:
     # from what non-speculative int8 decoding would have said.
     int8_activations: bool = False
     quantization: str = "auto"
+    # --quantization int4: input columns per (scale, minimum) group; K of every matrix must be a multiple.
+    quantization_group_size: int = 128
     # Keep only the GGUF blocks of quantized weights (no float32 copies) where the CPU kernels read them:
     # many-row matmuls dequantize cache-sized slices on the fly (the same values). ~530 MiB less for
     # SmolLM2; prefill GEMMs 0-10% slower (benchmarks/NOTES.md).
@@ -222,6 +224,8 @@ class EngineArgs:
                              f"{list(ATTENTION_BACKEND_ALIASES)}), got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.speculative_method not in (None, "ngram", "draft"):
@@ -267,6 +271,9 @@ class EngineArgs:
                        help="weight format (default auto: the checkpoint's quantization_config, or the GGUF "
                             "tensor types); none: dequantize to --dtype; int8/int4: quantize a float "
                             "checkpoint at load")
+        g.add_argument("--quantization-group-size", type=int, default=d.quantization_group_size,
+                       help="--quantization int4: input columns per scale/minimum group, 32, 64 or 128 (default "
+                            f"{d.quantization_group_size}); every matrix's input size must be a multiple")
         g.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,

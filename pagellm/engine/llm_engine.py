@@ -97,7 +97,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
         self.model = get_model(path, cfg, platform, dtype, self.device, args.int8_activations,
                                args.packed_weights_only, auto_dtype=args.dtype == "auto",
-                               quantization=args.quantization)
+                               quantization=args.quantization,
+                               quantization_group_size=args.quantization_group_size)
         self.weights_bytes = model_weight_bytes(self.model)
 
         cache = args.cache_config()

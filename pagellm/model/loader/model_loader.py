@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from pagellm.config import ModelConfig
 from pagellm.model.layers.custom_op import CustomOp
 from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.rotary import RotaryEmbedding
-from pagellm.model.loader import HF_QUANT_METHODS, iter_weights
+from pagellm.model.loader import HF_QUANT_METHODS, is_gguf_path, iter_weights
 from pagellm.model.models.llama import MODEL_REGISTRY
 from pagellm.platforms import Platform
+from pagellm.quant import rtn
 
 
 def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device | None = None,
               int8_activations: bool = False, packed_weights_only: bool = True,
-              auto_dtype: bool = False, quantization: str = "auto") -> torch.nn.Module:
+              auto_dtype: bool = False, quantization: str = "auto",
+              quantization_group_size: int = 128) -> torch.nn.Module:
     """Builds the architecture on the meta device, materialises it on `device`, streams the weights in and
     lets the platform choose each op's implementation.
 
@@ -24,8 +29,12 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
     end, its lookups then read rows of the packed LM head). auto_dtype: `--dtype auto` was asked for, so
     the platform may choose non-exact faster paths (bf16 many-row GEMMs). quantization: --quantization
     (pagellm.config.QUANTIZATIONS): auto follows the checkpoint; gptq/awq/fp8/compressed-tensors must match
-    its quantization_config; "none" computes with the dequantized float weights only."""
-    if quantization not in ("auto", "none", *HF_QUANT_METHODS):
+    its quantization_config; "none" computes with the dequantized float weights only; int8/int4 quantize a
+    float checkpoint's matrices at load (pagellm.quant.rtn, int4 in groups of quantization_group_size), the
+    tied LM head included."""
+    if quantization in rtn.RTN_QUANTIZATIONS:
+        _check_float_checkpoint(path, quantization)
+    elif quantization not in ("auto", "none", *HF_QUANT_METHODS):
         raise ValueError(f"--quantization {quantization} is not implemented yet")
     arch = cfg.architecture
     if arch not in MODEL_REGISTRY:
@@ -43,8 +52,15 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
             m.configure(choices)
     with platform.loading():
         # Packed (GGUF block) copies only where the kernels will read them.
+        source_format = "auto" if quantization in rtn.RTN_QUANTIZATIONS else quantization
         model.load_weights(iter_weights(path, cfg, dtype, packed=choices.packed_kernels and quantization != "none",
-                                        quantization=quantization))
+                                        quantization=source_format))
+        if quantization in rtn.RTN_QUANTIZATIONS:
+            for name, m in model.named_modules():
+                if isinstance(m, Linear):
+                    rtn.quantize_linear(m, name, quantization, quantization_group_size)
+            if cfg.tie_word_embeddings and not choices.packed_weights_only:  # lookups see the head's values
+                model.embed_tokens.weight.data.copy_(model.lm_head.packed.dequantize())
         if cfg.tie_word_embeddings and choices.packed_weights_only and model.lm_head.packed is not None:
             emb = model.embed_tokens  # (the head's own float copy went in load_weights)
             emb.weight.data = torch.empty(0, emb.weight.shape[1], dtype=emb.weight.dtype)
@@ -53,6 +69,19 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
         if isinstance(m, CustomOp):
             m.use(choices.op_impl)
     return model.eval()
+
+
+def _check_float_checkpoint(path: str, quantization: str) -> None:
+    """int8/int4 at load quantize float weights; a checkpoint that is quantized already is refused."""
+    if is_gguf_path(path):
+        raise ValueError(f"--quantization {quantization} quantizes a float Hugging Face checkpoint; {path} is a "
+                         "GGUF, whose weights are quantized already (use --quantization auto or none)")
+    config = os.path.join(path, "config.json")
+    with open(config, encoding="utf-8") as f:
+        method = (json.load(f).get("quantization_config") or {}).get("quant_method")
+    if method:
+        raise ValueError(f"--quantization {quantization} quantizes a float checkpoint; {config} says it is "
+                         f"quantized already (quant_method {method!r}; use --quantization auto)")
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
