@@ -266,7 +266,9 @@ class EngineArgs:
                        help=f"compute dtype (default {d.dtype}); auto: the platform's choice for the device")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                        help="KV cache element type (auto: the compute dtype). float16 halves KV memory per token "
-                            "(llama.cpp's default); keys and values are rounded to float16")
+                            "(llama.cpp's default); keys and values are rounded to float16. int8 (a float16 scale "
+                            "per token and KV head) and fp8 (= fp8_e4m3) / fp8_e5m2 (scale 1.0) hold ~4x the float32 "
+                            "tokens")
         g.add_argument("-q", "--quantization", default=d.quantization, choices=list(QUANTIZATIONS),
                        help="weight format (default auto: the checkpoint's quantization_config, or the GGUF "
                             "tensor types); none: dequantize to --dtype; int8/int4: quantize a float "

@@ -20,6 +20,7 @@ from prometheus_client.utils import floatToGoString
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.request_stats import FinishedRequest
 from pagellm.engine.request_stream import EngineSnapshot
+from pagellm.quant.kv_cache import kv_dtype_label
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "PREFIXES"]
 
@@ -78,7 +79,7 @@ def _cache_config_info(engine: AsyncLLMEngine) -> dict[str, str]:
     """vLLM's cache_config_info labels (its names where pagellm has the setting), plus pagellm's own."""
     eng = engine.engine
     args, kv = eng.args, eng.kv_cache
-    return {"block_size": str(kv.block_size), "cache_dtype": str(eng.kv_dtype).removeprefix("torch."),
+    return {"block_size": str(kv.block_size), "cache_dtype": kv_dtype_label(eng.kv_dtype),
             "enable_prefix_caching": str(kv.enable_caching), "num_gpu_blocks": str(kv.num_blocks),
             "num_cpu_blocks": str(kv.host_pool.num_blocks if kv.host_pool is not None else 0),
             "kv_cache_memory": str(kv.num_blocks * eng.bytes_per_block), "preemption_mode": args.preemption_mode,

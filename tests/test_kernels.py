@@ -223,6 +223,41 @@ def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype):
     torch.testing.assert_close(together[i], want, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="no native CPU kernels")
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_reads_quantized_caches(window, kv_dtype):
+    """int8 (in-band scales) and fp8 caches: the kernel writes torch's bytes, reads them like the
+    reference (within 1e-5: int8's scale is applied per key, not per element), and a row's output does
+    not depend on its neighbours (bit-identical alone and among others)."""
+    from pagellm.quant.kv_cache import kv_row_width, quantize_rows
+
+    torch.manual_seed(2)
+    block_size, num_blocks, kv_heads, heads, d = 4, 40, 2, 6, 16
+    cache = quantize_rows(torch.randn(2, num_blocks, block_size, kv_heads, d), kv_dtype)
+    assert cache.shape[-1] == kv_row_width(d, kv_dtype)
+    tables, slots, row_seq, positions, perm = [], [], [], [], torch.randperm(num_blocks).tolist()
+    for i, (n, length) in enumerate([(1, 9), (3, 14), (7, 7)]):
+        blocks = [perm.pop() for _ in range(-(-length // block_size))]
+        tables.append(blocks + [0] * (4 - len(blocks)))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(length - n, length)]
+        row_seq += [i] * n
+        positions += range(length - n, length)
+    q, k, v = torch.randn(11, heads, d), torch.randn(11, kv_heads, d), torch.randn(11, kv_heads, d)
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables), [0, 1, 4, 11], [9, 14, 7], block_size, window,
+                             torch.tensor(row_seq), torch.tensor(positions))
+    ref_cache = cache.clone()
+    ref = TorchSdpaReferenceAttention().forward(q, k, v, ref_cache, meta, 0.25)
+    ops.write_kv(k, v, cache, meta.slot_mapping)
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    got = ops.paged_attention(q, cache, meta.block_tables, meta.row_seq, meta.positions, window, 0.25)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for i in range(11):
+        alone = ops.paged_attention(q[i:i + 1], cache, meta.block_tables, meta.row_seq[i:i + 1],
+                                    meta.positions[i:i + 1], window, 0.25)
+        assert torch.equal(alone[0], got[i])
+
 def test_engine_greedy_ids_equal_with_and_without_kernels(smollm_gguf_path, monkeypatch):
     """The packed few-row matmuls, fused norms/RoPE/SiLU and the native attention change only
     summation order: greedy ids over a batch with decode, prefill and n-gram verification agree."""

@@ -85,4 +85,4 @@ def test_float16_cache_with_packed_decoder_and_speculation(smollm_gguf_path):
     assert spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
     assert spec.engine.scheduler.stats.num_accepted_tokens > 0
     if ops.kv_dtype_supported(torch.float16):  # the one-call decoder really read the float16 cache
-        assert spec.engine.runner.compiled_decoder and spec.engine.runner.compiled_decoder.dims.kv_half == 1
+        assert spec.engine.runner.compiled_decoder and spec.engine.runner.compiled_decoder.dims.kv_format == 1

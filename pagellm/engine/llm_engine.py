@@ -25,6 +25,7 @@ from pagellm.model.runner import ModelRunner
 from pagellm.outputs import RequestOutput
 from pagellm.platforms import Platform, get_platform
 from pagellm.platforms.base import DTYPES
+from pagellm.quant.kv_cache import KV_QUANT_DTYPES, kv_dtype_label, kv_row_bytes
 from pagellm.request import Request, RequestStatus
 from pagellm.sample import Sampler, StepSampler
 from pagellm.sampling_params import SamplingParams
@@ -47,15 +48,19 @@ class EngineStats:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for every layer of block_size tokens (docs/architecture.md, "Memory")."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * block_size * dtype.itemsize
+    """K and V for every layer of block_size tokens (docs/architecture.md, "Memory"); an int8 row carries
+    its 2-byte scale (pagellm/quant/kv_cache.py)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * kv_row_bytes(cfg.head_dim, dtype) * block_size
 
 
 def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache element type: `auto` follows the compute dtype."""
+    """The KV cache element type: `auto` follows the compute dtype; int8 / fp8 (= fp8_e4m3) / fp8_e5m2
+    quantize on write and are read by every attention backend."""
     name = args.kv_dtype_name
+    if name in KV_QUANT_DTYPES:
+        return KV_QUANT_DTYPES[name]
     if name not in ("auto", *DTYPES):
-        raise ValueError(f"kv_cache_dtype {name!r} is not implemented yet")
+        raise ValueError(f"kv_cache_dtype {name!r} is not implemented")
     return dtype if name == "auto" else DTYPES[name]
 
 
@@ -140,11 +145,11 @@ class LLMEngine:
             platform.HARDWARE_KEYS), _name(dtype), _name(kv_dtype), backend.name, impl,
             ", one-call native decoder" if self.runner.compiled_decoder is not None else "")
         logger.info(
-            "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache (%s) %d blocks x %d tokens = "
-            "%d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
+            "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache (%s, %d bytes/token) %d blocks x "
+            "%d tokens = %d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
             path, cfg.architecture + (f", {cfg.weight_format}" if cfg.weight_format else ""), _name(dtype),
             self.startup_seconds, self.weights_bytes / 2**20, _name(kv_dtype),
-            num_blocks,
+            self.bytes_per_block // cache.block_size, num_blocks,
             cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
             self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)
 
@@ -393,4 +398,4 @@ class LLMEngine:
 
 
 def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return kv_dtype_label(dtype)  # float32, ..., int8, fp8_e4m3, fp8_e5m2

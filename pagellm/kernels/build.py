@@ -47,6 +47,7 @@ SIGNATURES = {
     "pagellm_build_features": ([], _i32),
     "pagellm_has_simd": ([], _i32),
     "pagellm_has_f16_kv": ([], _i32),
+    "pagellm_kv_formats": ([], _i32),
     "pagellm_q4_1_linear": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
     "pagellm_q8_0_linear": ([_p, _i64, _i32, _i32, _p, _p, _i32, _p, _i64, _i32], None),
     "pagellm_q4_1_linear_i8": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),

@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from pagellm.kernels.build import cpu_kernels, library
-from pagellm.kernels.ops import KIND_CODES, PAGED_ATTENTION_MAX_QUERIES, ptr
+from pagellm.kernels.ops import KIND_CODES, PAGED_ATTENTION_MAX_QUERIES, kv_format_code, ptr
 from pagellm.quant.formats import PACKED_MAX_ROWS
 
 _p = ctypes.c_void_p
@@ -31,7 +31,7 @@ class DecoderLayer(ctypes.Structure):
 class DecoderDims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int32), ("heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32), ("window", ctypes.c_int32),
-                ("int8_activations", ctypes.c_int32), ("kv_half", ctypes.c_int32),
+                ("int8_activations", ctypes.c_int32), ("kv_format", ctypes.c_int32),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("rope_cos", _p), ("rope_sin", _p)]
 
 
@@ -85,7 +85,7 @@ class NativeDecoder:
         key = tuple(c.data_ptr() for c in kv_caches)
         if key != self._kv_key:
             self._kv_key, self._kv_ptrs = key, (ctypes.c_void_p * len(key))(*key)
-        self.dims.kv_half = int(kv_caches[0].dtype == torch.float16)  # per call: a new cache may reuse addresses
+        self.dims.kv_format = kv_format_code(kv_caches[0].dtype)  # per call: a new cache may reuse addresses
         x = self.model.embed(input_ids).contiguous()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         tables = meta.block_tables

@@ -10,6 +10,7 @@ import torch
 
 from pagellm.kernels.build import cpu_kernels, library
 from pagellm.quant.formats import PackedWeight
+from pagellm.quant.kv_cache import KV_FORMAT_CODES, cache_head_dim
 
 # Requests with more new rows than this (long prefill chunks) attend through SDPA instead: the kernel scores one
 # query row at a time, which flash attention's blocking beats once rows are many (benchmarks/NOTES.md).
@@ -77,24 +78,33 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _build_reads_f16_kv() -> bool:
-    return bool(library().pagellm_has_f16_kv())
+def _build_kv_formats() -> int:
+    return int(library().pagellm_kv_formats())
 
 
 def kv_dtype_supported(dtype: torch.dtype) -> bool:
-    """The attention kernels read float32 caches, and float16 ones where the build converts them (F16C)."""
-    if cpu_kernels() is None:
+    """The attention kernels read float32, int8 and fp8 caches everywhere, float16 ones where the build
+    converts them (F16C)."""
+    if cpu_kernels() is None or dtype not in KV_FORMAT_CODES:
         return False
-    return dtype == torch.float32 or (dtype == torch.float16 and _build_reads_f16_kv())
+    return bool(_build_kv_formats() >> KV_FORMAT_CODES[dtype] & 1)
+
+
+def kv_format_code(dtype: torch.dtype) -> int:
+    """The kernels' KvFormat code for a cache element type (kernels/cpu/kv_format.h)."""
+    if dtype not in KV_FORMAT_CODES:
+        raise ValueError(f"the native attention kernels do not read a {dtype} KV cache")
+    return KV_FORMAT_CODES[dtype]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """k, v: [T, KV, D] float32 views whose rows may be strided (slices of the fused qkv output); a float16
-    cache stores them rounded to nearest, like torch's .to(torch.float16)."""
-    _, num_blocks, block_size, num_kv, head_dim = kv_cache.shape
+    cache stores them rounded to nearest, like torch's .to(torch.float16); int8 and fp8 caches quantize each
+    row exactly as pagellm/quant/kv_cache.py does."""
+    _, num_blocks, block_size, num_kv, _ = kv_cache.shape
     rc = library().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], num_kv,
-                                        head_dim, kv_cache.data_ptr(), num_blocks, block_size, slots.data_ptr(),
-                                        int(kv_cache.dtype == torch.float16))
+                                        cache_head_dim(kv_cache), kv_cache.data_ptr(), num_blocks, block_size,
+                                        slots.data_ptr(), kv_format_code(kv_cache.dtype))
     if rc:
         raise ValueError(f"write_kv kernel: unsupported KV cache dtype {kv_cache.dtype}")
 
@@ -108,7 +118,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     rc = library().pagellm_paged_attention(
         q.data_ptr(), q.stride(0), t, h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv,
         block_tables.data_ptr(), block_tables.stride(0), row_seq.data_ptr(), row_pos.data_ptr(), window or 0,
-        scale, out.data_ptr(), torch.get_num_threads(), int(kv_cache.dtype == torch.float16))
+        scale, out.data_ptr(), torch.get_num_threads(), kv_format_code(kv_cache.dtype))
     if rc:
         raise ValueError(f"paged_attention kernel: unsupported shape or KV dtype (heads {h}, kv heads {num_kv}, "
                          f"head_dim {d}, {kv_cache.dtype})")

@@ -12,6 +12,7 @@ import torch
 from pagellm.core.kv_cache_manager import BlockCopies
 from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
+from pagellm.quant.kv_cache import kv_row_width
 from pagellm.request import Request
 from pagellm.sample.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 
@@ -28,7 +29,9 @@ class ModelRunner:
         self.block_size = block_size
         self.backend = backend
         self.sliding_window = cfg.sliding_window
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # The last dimension is head_dim, or head_dim + 2 for int8 rows with their in-band scale, so every
+        # block copy below (swap, copy-on-write) carries the scales with the values.
+        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, kv_row_width(cfg.head_dim, kv_dtype))
         self.kv_caches = [platform.allocate_kv(shape, kv_dtype) for _ in range(cfg.num_hidden_layers)]
         # Swap space: one host tensor for all layers, [layers, 2, host_blocks, block_size, kv_heads, head_dim].
         host_shape = (cfg.num_hidden_layers, 2, num_host_blocks, *shape[2:])

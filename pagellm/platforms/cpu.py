@@ -26,6 +26,11 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx51
              "amx_bf16", "amx_int8")
 
 
+# --kv-cache-dtype names and their cache element types, for `pagellm info`.
+_KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
+                    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def _cpuinfo() -> tuple[str, set[str]]:
     """(model name with family/model numbers, flags) of the first CPU in /proc/cpuinfo. Virtual machines
     often report a bare "AMD EPYC": the family number tells Zen 3 (25) from Zen 5 (26)."""
@@ -188,5 +193,8 @@ class CpuPlatform(Platform):
                                    if choices.bf16_gemm else "float32"),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
             "kv_float16_native": str(self.kv_dtype_readable_natively(torch.float16)).lower(),
+            # --kv-cache-dtype values the paged kernel (and so the one-call decoder) reads in place
+            "kv_cache_dtypes_native": " ".join(name for name, dt in _KV_CACHE_DTYPES.items()
+                                               if self.kv_dtype_readable_natively(dt)) or "-",
             "threads": str(torch.get_num_threads()),
         }

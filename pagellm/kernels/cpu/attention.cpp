@@ -1,5 +1,6 @@
-// Paged attention over a float32 or float16 KV cache, reading each request's blocks in place (no gather).
-// Cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, then values).
+// Paged attention over a float32, float16, int8 or fp8 KV cache, reading each request's blocks in place
+// (no gather). Cache layout per layer: [2, num_blocks, block_size, num_kv_heads, W] (keys, then values),
+// W = head_dim, or head_dim + 2 for int8 rows with their float16 scale (kv_format.h).
 // Every query row names its request (a row of block_tables) and its position; it attends to keys
 // 0..pos of that request (the last `window` of them when window > 0): one rule that serves decode
 // rows, speculative verification rows and prefill chunks alike.
@@ -7,40 +8,21 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-#include "simd.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PAGELLM_SIMD_ATTENTION 1
-#endif
+#include "kv_format.h"
 
 namespace {
-
-// KV elements: float32, or IEEE float16 (uint16_t bits) converted with F16C, rounding to nearest even
-// as torch's .to(torch.float16) does, so both write paths store the same bits.
-template <typename T>
-inline void store_row(const float* src, T* dst, int n) {
-    if constexpr (sizeof(T) == sizeof(float)) {
-        std::memcpy(dst, src, sizeof(float) * n);
-    } else {
-#ifdef PAGELLM_SIMD_ATTENTION
-        int i = 0;
-        for (; i + 8 <= n; i += 8)
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-        for (; i < n; ++i) dst[i] = static_cast<T>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
-#endif
-    }
-}
 
 template <typename T>
 void write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T_, int KV, int D, T* kv,
               int64_t num_blocks, int block_size, const int64_t* slots) {
-    const int64_t plane = num_blocks * block_size * KV * D;  // offset of the value half
+    const int64_t row = (int64_t)KV * (D + row_extra<T>());  // elements per token
+    const int64_t plane = num_blocks * block_size * row;  // offset of the value half
     for (int t = 0; t < T_; ++t) {
-        store_row(k + t * ldk, kv + slots[t] * KV * D, KV * D);
-        store_row(v + t * ldv, kv + plane + slots[t] * KV * D, KV * D);
+        store_token(k + t * ldk, kv + slots[t] * row, KV, D);
+        store_token(v + t * ldv, kv + plane + slots[t] * row, KV, D);
     }
 }
 
@@ -55,20 +37,27 @@ extern "C" int pagellm_has_f16_kv() {
 #endif
 }
 
+// Bit f set: this build reads and writes KV format f (KvFormat in kv_format.h). float16 needs F16C; the
+// others have a portable path.
+extern "C" int pagellm_kv_formats() {
+    return 1 << KV_F32 | pagellm_has_f16_kv() << KV_F16 | 1 << KV_I8 | 1 << KV_E4M3 | 1 << KV_E5M2;
+}
+
 // Writes the step's new keys/values into their slots. k, v: [T, KV, D] with row strides ldk, ldv;
-// kv_half: the cache holds float16. Returns 0, or -1 where float16 is not supported (no F16C).
+// kv_format: the cache's KvFormat (0 float32, 1 float16, as the old kv_half flag). Returns 0, or -1 for
+// a format this build lacks.
 extern "C" int pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D,
-                                void* kv, int64_t num_blocks, int block_size, const int64_t* slots, int kv_half) {
-    if (!kv_half) {
-        write_kv(k, ldk, v, ldv, T, KV, D, static_cast<float*>(kv), num_blocks, block_size, slots);
-        return 0;
+                                void* kv, int64_t num_blocks, int block_size, const int64_t* slots, int kv_format) {
+    if (!(pagellm_kv_formats() >> kv_format & 1)) return -1;
+    switch (kv_format) {
+        case KV_F32: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<float*>(kv), num_blocks, block_size, slots); break;
+        case KV_F16: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<uint16_t*>(kv), num_blocks, block_size, slots); break;
+        case KV_I8: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<int8_t*>(kv), num_blocks, block_size, slots); break;
+        case KV_E4M3: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<e4m3_t*>(kv), num_blocks, block_size, slots); break;
+        case KV_E5M2: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<e5m2_t*>(kv), num_blocks, block_size, slots); break;
+        default: return -1;
     }
-#ifdef PAGELLM_SIMD_ATTENTION
-    write_kv(k, ldk, v, ldv, T, KV, D, static_cast<uint16_t*>(kv), num_blocks, block_size, slots);
     return 0;
-#else
-    return -1;
-#endif
 }
 
 #ifdef PAGELLM_SIMD_ATTENTION
@@ -113,6 +102,7 @@ struct AttentionArgs {
     int H, D, G, KV, block_size, window;
     const T* kv;
     int64_t plane, stride;  // offset of the values; distance between consecutive tokens of a block
+    int64_t row;  // elements per KV head row: D, or D + 2 for int8 (its scale)
     const int64_t* block_tables;
     int64_t table_stride;
     const int64_t* row_seq;
@@ -148,14 +138,11 @@ inline HeadView head_view(const AttentionArgs<T>& a, int t, int head) {
     const int64_t pos = a.row_pos[t];
     const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
     return {a.block_tables + a.row_seq[t] * a.table_stride, pos, first, pos + 1 - first,
-            a.q + t * a.ldq + (int64_t)head * a.D, (int64_t)(head / a.G) * a.D,
+            a.q + t * a.ldq + (int64_t)head * a.D, (int64_t)(head / a.G) * a.row,
             a.out + ((int64_t)t * a.H + head) * a.D};
 }
 
 #ifdef PAGELLM_SIMD_ATTENTION
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
 // Scores of 4 keys at once: 8-lane products per key, then one transposing reduction for all four
 // (the per-key horizontal sum was as costly as the products). Every key gets the same arithmetic in
 // whichever slot it lands, so a score never depends on its neighbours (speculative rows stay exact).
@@ -176,13 +163,22 @@ inline __m128 dot4(const float* q, const T* k0, const T* k1, const T* k2, const 
 }
 
 // o[0, 8 * NC) = sum_i p_i v_i over the row's keys, accumulated in registers in key order.
+// p_i, times the int8 row's scale (v points d0 elements into the row, so its scale sits at D - d0)
+// or e4m3's read scale.
+template <typename T>
+inline float scaled_weight(float p, const T* v, int D, int d0) {
+    if constexpr (std::is_same_v<T, int8_t>) return p * row_scale(v - d0, D);
+    if constexpr (std::is_same_v<T, e4m3_t>) return p * E4M3_READ_SCALE;  // load8 reads e4m3 / 256
+    return p;
+}
+
 template <int NC, typename T>
 inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
-                            const float* p, const T* v, float inv_sum, float* o) {
+                            const float* p, const T* v, float inv_sum, float* o, int d0) {
     __m256 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
     for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
-        const __m256 w = _mm256_set1_ps(p[i]);
+        const __m256 w = _mm256_set1_ps(scaled_weight(p[i], v + off, a.D, d0));
         for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + off + 8 * c), acc[c]);
     });
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv_sum)));
@@ -204,7 +200,12 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     auto flush = [&]() {
         for (int i = filled; i < 4; ++i) k[i] = k[filled - 1];  // padding: recomputed, not stored
         float s[4];
-        _mm_storeu_ps(s, _mm_mul_ps(dot4(q, k[0], k[1], k[2], k[3], D), scale));
+        __m128 dots = dot4(q, k[0], k[1], k[2], k[3], D);
+        if constexpr (std::is_same_v<T, int8_t>)  // score = (k_scale * (q . k_int)) * softmax scale
+            dots = _mm_mul_ps(dots, _mm_setr_ps(row_scale(k[0], D), row_scale(k[1], D), row_scale(k[2], D),
+                                                row_scale(k[3], D)));
+        if constexpr (std::is_same_v<T, e4m3_t>) dots = _mm_mul_ps(dots, _mm_set1_ps(E4M3_READ_SCALE));
+        _mm_storeu_ps(s, _mm_mul_ps(dots, scale));
         std::memcpy(scores + batch_start, s, sizeof(float) * filled);
         batch_start += filled;
         filled = 0;
@@ -226,32 +227,46 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     float* o = h.out;
     for (int d0 = 0; d0 < D; d0 += 64) {  // up to 8 accumulators (64 dims) at a time
         switch (std::min(8, (D - d0) / 8)) {
-            case 8: weighted_values<8>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
-            case 7: weighted_values<7>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
-            case 6: weighted_values<6>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
-            case 5: weighted_values<5>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
-            case 4: weighted_values<4>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
-            case 3: weighted_values<3>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
-            case 2: weighted_values<2>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
-            default: weighted_values<1>(a, table, first, pos, scores, values + d0, inv_sum, o + d0); break;
+            case 8: weighted_values<8>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
+            case 7: weighted_values<7>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
+            case 6: weighted_values<6>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
+            case 5: weighted_values<5>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
+            case 4: weighted_values<4>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
+            case 3: weighted_values<3>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
+            case 2: weighted_values<2>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
+            default: weighted_values<1>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
         }
     }
 }
 #else
-// Portable version: the same three passes, scalar (float32 KV only).
+// Portable version: the same three passes, scalar (every format but float16), the int8 scale applied
+// per key as in the SIMD path.
+template <typename T>
+inline float dot_row(const float* q, const T* k, int D) {
+    if constexpr (std::is_same_v<T, float>) {
+        return dot(q, k, D);
+    } else {
+        float s = 0.f;
+        for (int d = 0; d < D; ++d) s += q[d] * to_float(k[d]);
+        return s * row_scale(k, D);
+    }
+}
+
 template <typename T>
 void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     const int D = a.D;
     const HeadView h = head_view(a, t, head);
     float mx = -INFINITY;
     for_each_key(a, h.table, h.first, h.pos, [&](int64_t i, int64_t off) {
-        scores[i] = dot(h.q, a.kv + h.kv_off + off, D) * a.scale;
+        scores[i] = dot_row(h.q, a.kv + h.kv_off + off, D) * a.scale;
         mx = std::max(mx, scores[i]);
     });
     const float inv_sum = 1.f / softmax_numerators(scores, h.n, mx);
     std::memset(h.out, 0, sizeof(float) * D);
     for_each_key(a, h.table, h.first, h.pos, [&](int64_t i, int64_t off) {
-        for (int d = 0; d < D; ++d) h.out[d] += scores[i] * a.kv[a.plane + h.kv_off + off + d];
+        const T* v = a.kv + a.plane + h.kv_off + off;
+        const float w = scores[i] * row_scale(v, D);
+        for (int d = 0; d < D; ++d) h.out[d] += w * to_float(v[d]);
     });
     for (int d = 0; d < D; ++d) h.out[d] *= inv_sum;
 }
@@ -286,26 +301,40 @@ void paged_attention(const AttentionArgs<T>& a, int T_, int nthreads) {
 
 }  // namespace
 
-// q: [T, H, D] with row stride ldq; out: [T, H, D] contiguous; kv_half: the cache holds float16.
-// Returns 0, or -1 for unsupported shapes (D % 8, H % KV) or float16 without F16C.
+namespace {
+
+template <typename T>
+void run_attention(const float* q, int64_t ldq, int T_, int H, int D, const void* kv, int64_t num_blocks,
+                   int block_size, int KV, const int64_t* block_tables, int64_t table_stride, const int64_t* row_seq,
+                   const int64_t* row_pos, int window, float softmax_scale, float* out, int nthreads) {
+    const int64_t row = D + row_extra<T>(), stride = (int64_t)KV * row, plane = num_blocks * block_size * stride;
+    paged_attention(AttentionArgs<T>{q, ldq, H, D, H / KV, KV, block_size, window, static_cast<const T*>(kv),
+                                     plane, stride, row, block_tables, table_stride, row_seq, row_pos,
+                                     softmax_scale, out}, T_, nthreads);
+}
+
+}  // namespace
+
+// q: [T, H, D] with row stride ldq; out: [T, H, D] contiguous; kv_format: the cache's KvFormat.
+// Returns 0, or -1 for unsupported shapes (D % 8, H % KV) or a format this build lacks.
 extern "C" int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const void* kv,
                                        int64_t num_blocks, int block_size, int KV, const int64_t* block_tables,
                                        int64_t table_stride, const int64_t* row_seq, const int64_t* row_pos,
-                                       int window, float softmax_scale, float* out, int nthreads, int kv_half) {
-    if (H % KV || D % 8) return -1;
-    const int64_t plane = num_blocks * block_size * KV * D, stride = (int64_t)KV * D;
-    if (!kv_half) {
-        paged_attention(AttentionArgs<float>{q, ldq, H, D, H / KV, KV, block_size, window,
-                                             static_cast<const float*>(kv), plane, stride, block_tables,
-                                             table_stride, row_seq, row_pos, softmax_scale, out}, T, nthreads);
-        return 0;
-    }
+                                       int window, float softmax_scale, float* out, int nthreads, int kv_format) {
+    if (H % KV || D % 8 || !(pagellm_kv_formats() >> kv_format & 1)) return -1;
+    auto run = [&](auto tag) {
+        run_attention<decltype(tag)>(q, ldq, T, H, D, kv, num_blocks, block_size, KV, block_tables, table_stride,
+                                     row_seq, row_pos, window, softmax_scale, out, nthreads);
+    };
+    switch (kv_format) {
+        case KV_F32: run(float{}); break;
+        case KV_I8: run(int8_t{}); break;
+        case KV_E4M3: run(e4m3_t{}); break;
+        case KV_E5M2: run(e5m2_t{}); break;
 #ifdef PAGELLM_SIMD_ATTENTION
-    paged_attention(AttentionArgs<uint16_t>{q, ldq, H, D, H / KV, KV, block_size, window,
-                                            static_cast<const uint16_t*>(kv), plane, stride, block_tables,
-                                            table_stride, row_seq, row_pos, softmax_scale, out}, T, nthreads);
-    return 0;
-#else
-    return -1;
+        case KV_F16: run(uint16_t{}); break;
 #endif
+        default: return -1;
+    }
+    return 0;
 }

@@ -15,11 +15,11 @@ void pagellm_rope(float* x, int64_t ldx, int T, int heads, int D, const float* c
                   const int64_t* positions, int nthreads);
 void pagellm_silu_mul(const float* gate_up, int T, int I, float* out, int nthreads);
 int pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D, void* kv,
-                     int64_t num_blocks, int block_size, const int64_t* slots, int kv_half);
+                     int64_t num_blocks, int block_size, const int64_t* slots, int kv_format);
 int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const void* kv, int64_t num_blocks,
                             int block_size, int KV, const int64_t* block_tables, int64_t table_stride,
                             const int64_t* row_seq, const int64_t* row_pos, int window, float softmax_scale,
-                            float* out, int nthreads, int kv_half);
+                            float* out, int nthreads, int kv_format);
 }
 
 // Mirrors of the ctypes Structures in pagellm/kernels/decoder.py (field order and types must match).
@@ -41,7 +41,7 @@ struct DecoderLayer {
 struct DecoderDims {
     int32_t hidden, heads, kv_heads, head_dim, intermediate, window;
     int32_t int8_activations;  // int8 x per 32-block in the matmuls (quant_linear.cpp)
-    int32_t kv_half;  // the KV cache holds float16 (attention.cpp)
+    int32_t kv_format;  // the KV cache's element format (KvFormat, kv_format.h)
     float eps, scale;
     const float* rope_cos;
     const float* rope_sin;
@@ -56,7 +56,7 @@ static void matmul(const PackedMatrix& w, const float* x, int T, float* y, bool 
 }
 
 // x: [T, hidden] embeddings in, final normed hidden states out (in place). kv_caches: one pointer per
-// layer to [2, num_blocks, block_size, kv_heads, head_dim] (float32, or float16 with kv_half). Returns 0,
+// layer to [2, num_blocks, block_size, kv_heads, W] in the format kv_format (attention.cpp). Returns 0,
 // or the attention kernel's error.
 extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLayer* layers, int num_layers,
                                        void* const* kv_caches, int64_t num_blocks, int block_size,
@@ -77,11 +77,11 @@ extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLay
         const float* k = qkv.data() + H * D;
         const float* v = k + KV * D;
         int rc = pagellm_write_kv(k, qkv_width, v, qkv_width, T, KV, D, kv_caches[l], num_blocks, block_size, slots,
-                                  dims->kv_half);
+                                  dims->kv_format);
         if (!rc)
             rc = pagellm_paged_attention(qkv.data(), qkv_width, T, H, D, kv_caches[l], num_blocks, block_size, KV,
                                          block_tables, table_stride, row_seq, positions, dims->window, dims->scale,
-                                         attn.data(), nthreads, dims->kv_half);
+                                         attn.data(), nthreads, dims->kv_format);
         if (rc) return rc;
         matmul(L.o, attn.data(), T, delta.data(), int8_x, nthreads);
         // delta += residual, h = norm(delta): delta is now the residual stream, so swap the names.

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.quant.kv_cache import write_rows
+
 
 @dataclass
 class AttentionMetadata:
@@ -27,7 +29,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, W]: W = head_dim, or head_dim + 2
+    for int8 rows with their in-band scale (pagellm/quant/kv_cache.py)."""
 
     name = "base"
 
@@ -38,6 +41,6 @@ class AttentionBackend:
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
-        num_kv, head_dim = k.shape[1], k.shape[2]
-        kv_cache[0].view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        # Float caches store k, v cast to their dtype; int8 / fp8 ones quantize each row (quant/kv_cache.py).
+        write_rows(kv_cache[0], slot_mapping, k)
+        write_rows(kv_cache[1], slot_mapping, v)

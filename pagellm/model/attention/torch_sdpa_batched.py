@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pagellm.model.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
+from pagellm.quant.kv_cache import dequantize_rows
 
 
 class TorchSdpaBatchedAttention(AttentionBackend):
@@ -36,17 +37,18 @@ class TorchSdpaBatchedAttention(AttentionBackend):
 
     def _decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, decode: list[int]):
         bs = meta.block_size
-        num_kv, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        num_kv, width = kv_cache.shape[3], kv_cache.shape[4]
         idx = torch.tensor(decode, device=q.device)
         lens = torch.tensor([meta.seq_lens[i] for i in decode], device=q.device)
         max_blocks = -(-int(lens.max()) // bs)
         tables = meta.block_tables.index_select(0, idx)[:, :max_blocks]
-        # [2, B, max_blocks, bs, KV, D] -> [2, B, KV, max_len, D]
-        kv = kv_cache[:, tables].reshape(2, len(decode), max_blocks * bs, num_kv, head_dim).transpose(2, 3)
+        # [2, B, max_blocks, bs, KV, W] -> [2, B, KV, max_len, D] in q's dtype (int8 / fp8 dequantized)
+        kv = dequantize_rows(kv_cache[:, tables].reshape(2, len(decode), max_blocks * bs, num_kv, width),
+                             q.dtype).transpose(2, 3)
         mask = torch.arange(max_blocks * bs, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
         rows = torch.tensor([meta.query_start_loc[i] for i in decode], device=q.device)
         qd = q.index_select(0, rows).unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kv[0].to(q.dtype), kv[1].to(q.dtype),
+        o = F.scaled_dot_product_attention(qd, kv[0], kv[1],
                                            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
         out = torch.empty_like(q)
         out.index_copy_(0, rows, o.squeeze(2))

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.model.attention.base import AttentionBackend, AttentionMetadata
+from pagellm.quant.kv_cache import dequantize_rows
 
 
 class TorchSdpaReferenceAttention(AttentionBackend):
@@ -20,18 +21,19 @@ class TorchSdpaReferenceAttention(AttentionBackend):
         """Attention output for the query rows of the requests in `reqs` (other rows left unset)."""
         out = torch.empty_like(q)
         bs = meta.block_size
-        num_kv, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        num_kv, width = kv_cache.shape[3], kv_cache.shape[4]
         for i in reqs:
             seq_len = meta.seq_lens[i]
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             blocks = meta.block_tables[i, :-(-seq_len // bs)]
-            keys = kv_cache[0, blocks].reshape(-1, num_kv, head_dim)[:seq_len]
-            values = kv_cache[1, blocks].reshape(-1, num_kv, head_dim)[:seq_len]
+            # Float caches are upcast; int8 / fp8 ones dequantized (q * scale) on the gathered rows.
+            keys = dequantize_rows(kv_cache[0, blocks].reshape(-1, num_kv, width)[:seq_len], q.dtype)
+            values = dequantize_rows(kv_cache[1, blocks].reshape(-1, num_kv, width)[:seq_len], q.dtype)
             mask = causal_mask(end - start, seq_len, meta.sliding_window, q.device)
             o = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1).unsqueeze(0),
-                keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
-                values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
                 attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out
