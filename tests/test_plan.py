@@ -90,3 +90,21 @@ def test_plan_cli_json_and_one_line_errors():
                           "--gpu", "h100-80gb"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().count("\n") == 0 and "attention heads" in bad.stderr
+
+
+def test_the_engine_sizes_its_cache_with_the_plan_arithmetic():
+    """One formula: LLMEngine's bytes per block are the plan's bytes per token times the block size, for every
+    KV dtype, and the plan's row bytes are the cache's (int8 rows carry a 2-byte scale)."""
+    import torch
+
+    from pagellm.engine.llm_engine import kv_bytes_per_block
+    from pagellm.plan.memory import kv_row_bytes
+    from pagellm.quant.kv_cache import KV_QUANT_DTYPES, kv_dtype_label
+    from pagellm.quant.kv_cache import kv_row_bytes as cache_row_bytes
+
+    cfg = preset_config("smollm2-135m")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, *KV_QUANT_DTYPES.values()):
+        name = kv_dtype_label(dtype)
+        assert kv_row_bytes(cfg.head_dim, name) == cache_row_bytes(cfg.head_dim, dtype), name
+        assert kv_bytes_per_block(cfg, 16, dtype) == kv_bytes_per_token(cfg, name) * 16
+    assert kv_bytes_per_token(cfg, "float32") == 46080 and kv_bytes_per_token(cfg, "int8") == 11880

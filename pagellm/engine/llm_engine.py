@@ -23,9 +23,10 @@ from pagellm.model.loader import load_config, resolve_model_path
 from pagellm.model.loader.model_loader import get_model, model_weight_bytes
 from pagellm.model.runner import ModelRunner
 from pagellm.outputs import RequestOutput
+from pagellm.plan import kv_bytes_per_token
 from pagellm.platforms import Platform, get_platform
 from pagellm.platforms.base import DTYPES
-from pagellm.quant.kv_cache import KV_QUANT_DTYPES, kv_dtype_label, kv_row_bytes
+from pagellm.quant.kv_cache import KV_QUANT_DTYPES, kv_dtype_label
 from pagellm.request import Request, RequestStatus
 from pagellm.sample import Sampler, StepSampler
 from pagellm.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ class EngineStats:
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V for every layer of block_size tokens (docs/architecture.md, "Memory"); an int8 row carries
     its 2-byte scale (pagellm/quant/kv_cache.py)."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * kv_row_bytes(cfg.head_dim, dtype) * block_size
+    return kv_bytes_per_token(cfg, kv_dtype_label(dtype)) * block_size
 
 
 def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:

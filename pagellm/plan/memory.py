@@ -43,9 +43,21 @@ def layers_per_stage(cfg: ModelConfig, pp: int) -> int:
     return math.ceil(cfg.num_hidden_layers / pp)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
-    """2 x L/PP x H_KV/TP x d_head x bytes: one token's keys and values on the busiest rank."""
-    return int(2 * layers_per_stage(cfg, pp) * kv_heads_per_rank(cfg, tp) * cfg.head_dim * kv_dtype_bytes)
+# An int8 KV row carries its float16 scale after the head_dim codes (pagellm/quant/kv_cache.py).
+KV_ROW_EXTRA_BYTES = {"int8": 2}
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str | float) -> float:
+    """Bytes of one token's key (or value) for one KV head: a dtype name, or bytes per element."""
+    if isinstance(kv_dtype, str):
+        return head_dim * dtype_bytes(kv_dtype) + KV_ROW_EXTRA_BYTES.get(kv_dtype, 0)
+    return head_dim * kv_dtype
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str | float, tp: int = 1, pp: int = 1) -> int:
+    """2 x L/PP x H_KV/TP x d_head x bytes: one token's keys and values on the busiest rank. The engine sizes
+    its own cache with this (LLMEngine's kv_bytes_per_block)."""
+    return int(2 * layers_per_stage(cfg, pp) * kv_heads_per_rank(cfg, tp) * kv_row_bytes(cfg.head_dim, kv_dtype))
 
 
 def weight_bytes_per_rank(cfg: ModelConfig, weight_dtype_bytes: float, embed_dtype_bytes: float,
@@ -119,7 +131,7 @@ def plan_memory(cfg: ModelConfig, model: str, device_bytes: int, tp: int = 1, pp
     if weights_bytes is not None:  # the real total times this rank's share of the parameters
         share = weight_bytes_per_rank(cfg, 1.0, 1.0, tp, pp) / weight_bytes_per_rank(cfg, 1.0, 1.0)
         weights = int(weights_bytes * share)
-    per_token = kv_bytes_per_token(cfg, dtype_bytes(kv_name), tp, pp)
+    per_token = kv_bytes_per_token(cfg, kv_name, tp, pp)
     workspace = workspace_bytes(cfg, max_num_batched_tokens, max_num_seqs, act, tp)
     max_len = max_model_len or cfg.max_position_embeddings
     budget = int(device_bytes * utilization) - weights - workspace
