@@ -1,4 +1,4 @@
-"""pagellm command line: generate | info | bench (serve and chat live in their own modules)."""
+"""pagellm command line: generate | info | bench (serve, chat and eval live in their own modules)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pagellm.quant.quantize_cli import add_quantize_parser
 
     add_quantize_parser(sub)
+    from pagellm.bench.eval_cli import add_eval_parser
+
+    add_eval_parser(sub)
     return p
 
 

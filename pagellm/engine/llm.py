@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import torch
 from tqdm import tqdm
 
 from pagellm.config import EngineArgs
 from pagellm.engine.embedding import embed
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.scoring import next_token_logprobs
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -87,6 +89,18 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return [embed(self.engine, p, pooling, normalize)[0] for p in prompts]
+
+    def next_token_logprobs(self, sequences: list[int] | Sequence[list[int]], start: int | Sequence[int] = 0,
+                            chunk: int | None = None) -> list[torch.Tensor]:
+        """Teacher forcing: per token-id sequence, float32 full-vocabulary log-softmax rows
+        [len - start, vocab], row i the distribution of the token after seq[:start + i + 1], from the
+        engine's forward in chunks of `chunk` rows (default: the step budget; pagellm/engine/scoring.py)."""
+        if sequences and isinstance(sequences[0], int):
+            sequences = [sequences]
+        starts = [start] * len(sequences) if isinstance(start, int) else list(start)
+        if len(starts) != len(sequences):
+            raise ValueError(f"got {len(starts)} starts for {len(sequences)} sequences")
+        return [next_token_logprobs(self.engine, s, st, chunk) for s, st in zip(sequences, starts, strict=True)]
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
