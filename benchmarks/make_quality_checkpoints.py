@@ -4,7 +4,8 @@ the bundled GGUF, never downloaded (none of them is committed: they are 100-540 
     # 1. float32 HF export of the GGUF (transformers' GGUF reader; the recipe of ../shared/peers/setup_vllm_cpu.sh)
     .venv/bin/python benchmarks/make_quality_checkpoints.py export /tmp/smollm2-f32
     # 2. GPTQ 4-bit, groups of 64 (576 columns: 128 does not divide them), with pagellm's own quantizer
-    .venv/bin/pagellm quantize --model /tmp/smollm2-f32 --method gptq --bits 4 --group-size 64 --out /tmp/smollm2-gptq-g64
+    .venv/bin/pagellm quantize --model /tmp/smollm2-f32 --method gptq --bits 4 --group-size 64 \
+        --out /tmp/smollm2-gptq-g64
     # 3. FP8 e4m3 per output channel, written by the compressed-tensors library (float-quantized format)
     .venv/bin/python benchmarks/make_quality_checkpoints.py fp8 /tmp/smollm2-f32 /tmp/smollm2-fp8
     # 4. GGUF K-quants and Q8_0 with llama.cpp's llama-quantize (built from the llama-cpp-python sdist):
