@@ -240,6 +240,30 @@ def test_legacy_quantize_config_json_and_ignored_modules(tiny_hf_model, tmp_path
     assert not any("mlp" in n and n.endswith(PACKED_SUFFIX) for n in weights)
 
 
+def test_gptq_zero_biases_are_skipped_and_nonzero_ones_refused(tiny_hf_model, tmp_path):
+    """AutoGPTQ writes a zero `bias` for every quantized Linear, even on bias-free Llama layers: they load
+    (adding nothing); a non-zero one there is one clear error, not silently dropped."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_hf_model("llama", **DIMS["small"])
+    out = str(tmp_path / "zero")
+    qck.write_quantized(src, out, "gptq", dict(bits=4, group_size=32, sym=True, desc_act=False),
+                        lambda p, w: qck.gptq_tensors(w, 4, 32, True, True))
+    path = os.path.join(out, "model.safetensors")
+    state = load_file(path)
+    for name in [n for n in state if n.endswith(".qweight")]:
+        state[name.removesuffix(".qweight") + ".bias"] = torch.zeros(state[name].shape[1], dtype=torch.float16)
+    save_file(state, path)
+    weights = _load(out)
+    assert not any(n.endswith(".bias") for n in weights) and any(n.endswith(PACKED_SUFFIX) for n in weights)
+    bad = str(tmp_path / "nonzero")
+    state["model.layers.0.mlp.down_proj.bias"] = torch.full_like(state["model.layers.0.mlp.down_proj.bias"], 0.5)
+    shutil.copytree(out, bad)
+    save_file(state, os.path.join(bad, "model.safetensors"))
+    with pytest.raises(ModelFileError, match=r"down_proj\.bias.*non-zero bias"):
+        _load(bad)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagellm.cli", *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PAGELLM_CPU_KERNELS": "0"})

@@ -190,7 +190,9 @@ def _iter_quantized(model_dir: str, config: ModelConfig, dtype: torch.dtype, pac
                     if name.endswith(("rotary_emb.inv_freq", ".k_scale", ".v_scale")) or (
                             name == "lm_head.weight" and config.tie_word_embeddings):
                         continue  # recomputed, or KV-cache scales (the KV cache stays in its own dtype)
-                    yield name, handles[where[name]].get_tensor(name).to(dtype)
+                    tensor = handles[where[name]].get_tensor(name)
+                    if not _placeless_zero_bias(where[name], name, tensor, config):
+                        yield name, tensor.to(dtype)
                     continue
                 if prefix in done:
                     continue
@@ -204,3 +206,18 @@ def _iter_quantized(model_dir: str, config: ModelConfig, dtype: torch.dtype, pac
     except (SafetensorError, OSError) as e:
         raise ModelFileError(where.get(name, model_dir), f"safetensors: {e}",
                              f"tensor {name!r}" if name else None) from None
+
+
+_BIASED = (".q_proj.bias", ".k_proj.bias", ".v_proj.bias")  # the only biases the architecture has (Qwen2's)
+
+
+def _placeless_zero_bias(path: str, name: str, tensor: torch.Tensor, config: ModelConfig) -> bool:
+    """AutoGPTQ saves a zero bias for every quantized Linear, bias or not: those add nothing and are skipped.
+    A non-zero one where the model has no bias would change the outputs, so it is refused."""
+    if not name.endswith(".bias") or (config.attention_bias and name.endswith(_BIASED)):
+        return False
+    if bool(tensor.any()):
+        raise ModelFileError(path, "a non-zero bias where the architecture has none "
+                             f"({config.architecture} has biases only on q/k/v when attention_bias is set)",
+                             f"tensor {name!r}")
+    return True
