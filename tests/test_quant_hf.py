@@ -167,7 +167,12 @@ def test_linear_equals_dequantize_then_matmul(checkpoint, name):
         assert layer.packed is not None and layer.quant_method.name == "gguf_blocks"
         for rows in (1, 3, 20, 37):
             x = torch.randn(rows, w.shape[1], generator=gen)
-            want = x @ w.t()
+            xq = x
+            if name.startswith("fp8-"):  # W8A8 (activation_scheme dynamic): each token's inputs in e4m3
+                assert pw.act_fp8 and pw.act_scale is None
+                s = x.abs().amax(1, keepdim=True) / 448
+                xq = (x / s).to(torch.float8_e4m3fn).float() * s
+            want = xq @ w.t()
             tol = 1e-4 * float(x.abs().max() * w.abs().sum(1).max())
             torch.testing.assert_close(layer(x), want, rtol=0, atol=tol)
 
@@ -181,7 +186,7 @@ PROMPTS = [[5, 17, 99, 250, 3, 41], [7] * 3, list(range(10, 60, 3))]
 
 
 @pytest.mark.parametrize("name", ["gptq4-g32-asym-v1-act-order-odd", "gptq8-channel-asym-v2", "awq-g128",
-                                  "fp8-block128", "ct-w4a16-group-asym-odd", "ct-fp8-channel"])
+                                  "ct-w4a16-group-asym-odd", "ct-fp8-channel"])
 def test_engine_equals_a_float32_model_of_the_dequantized_weights(checkpoint, smollm_gguf_path, tmp_path, name):
     """Greedy tokens identical; chosen-token logprobs within 1e-3 nats (packed kernels vs float GEMM)."""
     path, _ = checkpoint(name)
@@ -238,6 +243,23 @@ def test_legacy_quantize_config_json_and_ignored_modules(tiny_hf_model, tmp_path
     weights = _load(str(tmp_path))
     assert refs and all(n + PACKED_SUFFIX in weights for n in refs)
     assert not any("mlp" in n and n.endswith(PACKED_SUFFIX) for n in weights)
+
+
+@torch.no_grad()
+def test_fp8_static_input_scale_rounds_inputs_and_fused_shards_take_the_largest(checkpoint):
+    """activation_scheme static: inputs are divided by the checkpoint's input_scale, rounded to e4m3 (clipped
+    at 448) and multiplied back; q/k/v fused into one layer use the largest of their scales."""
+    from pagellm.quant.linear_method import fp8_activations
+
+    path, refs = checkpoint("fp8-channel-static")
+    weights = _load(path)
+    pw = weights[sorted(refs)[0] + PACKED_SUFFIX]
+    assert pw.act_fp8 and pw.act_scale == pytest.approx(0.05)
+    x = torch.tensor([[0.0123, -1.0, 30.0]])
+    want = (x / 0.05).clamp(-448, 448).to(torch.float8_e4m3fn).float() * 0.05
+    assert torch.equal(fp8_activations(x, 0.05), want) and want[0, 2] == 448 * 0.05  # 30 clips to 22.4
+    a, b = PackedWeight.cat([pw, pw]), PackedWeight.cat([pw, PackedWeight(**{**pw.__dict__, "act_scale": 0.2})])
+    assert a.act_scale == pytest.approx(0.05) and b.act_scale == pytest.approx(0.2) and b.act_fp8
 
 
 def test_gptq_zero_biases_are_skipped_and_nonzero_ones_refused(tiny_hf_model, tmp_path):

@@ -9,7 +9,7 @@ many-row ones (prefill) the float32 GEMM, which is compute-bound and faster ther
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -54,6 +54,10 @@ class PackedWeight:
     # Input-column order of the blocks (GPTQ act-order: columns sorted by group): y = x[:, perm] @ W_p^T.
     # None: the natural order.
     perm: torch.Tensor | None = None
+    # W8A8 FP8 checkpoints: inputs rounded to e4m3 before the product, per token (act_scale None: the
+    # row's absmax / 448, "dynamic") or with the checkpoint's static input scale (`fp8_activations`).
+    act_fp8: bool = False
+    act_scale: float | None = None
 
     @property
     def out_features(self) -> int:
@@ -69,8 +73,8 @@ class PackedWeight:
 
     def rows(self, index: torch.Tensor) -> PackedWeight:
         """Output rows in a new order (Q/K un-permutation acts on output rows, which blocks never span)."""
-        return PackedWeight(self.kind, self.qs[index].contiguous(), self.d[index].contiguous(),
-                            None if self.m is None else self.m[index].contiguous(), self.perm)
+        return replace(self, qs=self.qs[index].contiguous(), d=self.d[index].contiguous(),
+                       m=None if self.m is None else self.m[index].contiguous())
 
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight | None:
@@ -81,9 +85,13 @@ class PackedWeight:
         if any(q is None for q in perms) != all(q is None for q in perms) or (
                 perms[0] is not None and not all(torch.equal(perms[0], q) for q in perms)):
             return None  # one input order per fused layer
+        if len({p.act_fp8 for p in parts}) != 1 or len({p.act_scale is None for p in parts}) != 1:
+            return None  # one input rounding per fused layer
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        # static input scales of fused shards: the largest, so no shard's inputs clip (vLLM does the same)
+        scale = None if parts[0].act_scale is None else max(p.act_scale for p in parts)
         return PackedWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m,
-                            perms[0])
+                            perms[0], parts[0].act_fp8, scale)
 
     def as_kind(self, kind: str) -> PackedWeight:
         """The same weights, exactly, in a kind that can hold them: nibbles as int8 codes, 32-weight scales
@@ -102,7 +110,7 @@ class PackedWeight:
             m = None if m is None else m.repeat_interleave(2, dim=1)
         if m is None and kind in ("q8_1", "q4_1_16", "q8_1_16"):
             m = torch.zeros_like(d)
-        return PackedWeight(kind, qs, d, m, self.perm)
+        return replace(self, kind=kind, qs=qs, d=d, m=m)
 
     @staticmethod
     def unify(parts: list[PackedWeight]) -> list[PackedWeight]:

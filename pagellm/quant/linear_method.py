@@ -99,6 +99,8 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         packed: PackedWeight = layer.packed
+        if packed.act_fp8:
+            x = fp8_activations(x, packed.act_scale)
         if x.shape[0] <= PACKED_MAX_ROWS and self.reads_blocks(packed):
             xp = x if packed.perm is None else x.index_select(1, packed.perm)
             y = ops.packed_linear(xp, packed, self.choices.int8_activations)
@@ -117,6 +119,19 @@ class GGUFBlocksLinearMethod(LinearMethod):
     def embedding_rows(layer, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the matrix as float32 (a tied embedding whose float copy was dropped looks up here)."""
         return layer.packed.rows(ids).dequantize()
+
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def fp8_activations(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """x rounded to e4m3 as a W8A8 FP8 checkpoint expects (then multiplied back: the product stays float32,
+    CPUs have no fp8 arithmetic): per token with scale absmax / 448 (dynamic), or by a static scale."""
+    if scale is None:
+        s = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / FP8_MAX
+    else:
+        s = torch.tensor(scale, dtype=x.dtype)
+    return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * s
 
 
 def drop_float_weight(layer: nn.Module) -> int:

@@ -1,7 +1,9 @@
 """FP8 weights (quant_method "fp8", vLLM / llm-compressor style; also compressed-tensors float-quantized):
 weight float8_e4m3fn [N, K] and a scale: per tensor (one value), per output channel ([N] or [N, 1]), or per
 2-D block (`weight_scale_inv` [ceil(N / bn), ceil(K / bk)], multiplied in despite its name). w = f8 * scale.
-An input_scale (static activation quantization) is read past: activations stay float32 (weight-only)."""
+quant_method "fp8" is W8A8: activation_scheme dynamic rounds each token's inputs to e4m3 by its own absmax
+(per token), static by the checkpoint's input_scale (pagellm.quant.linear_method.fp8_activations);
+compressed-tensors' FP8 stays weight-only (its input_activations are not emulated)."""
 
 from __future__ import annotations
 
@@ -53,4 +55,9 @@ def to_packed(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, tensors: dict[s
     check_shapes(err, qc, args, parts, n, k)
     scale = tensors[scale_part(parts)]
     d = blockwise_scale(scale, n, k, args.block) if args.block else per_channel_scale(scale, n, k)
-    return fp8_blocks(tensors["weight"], d)
+    pw = fp8_blocks(tensors["weight"], d)
+    if qc.method == "fp8":  # W8A8: the inputs are fp8 too
+        pw.act_fp8 = True
+        if "input_scale" in tensors and qc.activations.startswith("fp8 static"):
+            pw.act_scale = float(tensors["input_scale"].float().reshape(-1)[0])
+    return pw

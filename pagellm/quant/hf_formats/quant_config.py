@@ -175,7 +175,7 @@ def _fp8(path: str, qc: dict) -> HFQuantConfig:
     if block is not None:
         block = _block(path, "quantization_config.weight_block_size", block)
     args = WeightArgs(8, "float", True, "block" if block else "channel", -1, block)
-    return HFQuantConfig("fp8", path, args, activations=f"fp8 {scheme} (run as float32)",
+    return HFQuantConfig("fp8", path, args, activations=f"fp8 {scheme} (inputs rounded to e4m3)",
                          ignore=_ignore(path, qc, "ignored_layers", "modules_to_not_convert"))
 
 
