@@ -147,15 +147,21 @@ def ct_config(fmt: str, scheme, ignore=("lm_head",)) -> dict:
     return d
 
 
+def _load_state(src_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors files."""
+    state = {}
+    for f in sorted(os.listdir(src_dir)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(src_dir, f)))
+    return state
+
+
 def write_quantized(src_dir: str, out_dir: str, method: str, quant_config: dict, make, legacy_config=False,
                     modules=LINEARS) -> dict[str, torch.Tensor]:
     """Copies src_dir's float model to out_dir with each layer's `modules` replaced by make(name, w) ->
     (tensors by part, reference weight); returns name -> reference weight."""
     os.makedirs(out_dir, exist_ok=True)
-    state = {}
-    for f in sorted(os.listdir(src_dir)):
-        if f.endswith(".safetensors"):
-            state.update(load_file(os.path.join(src_dir, f)))
+    state = _load_state(src_dir)
     with open(os.path.join(src_dir, "config.json")) as f:
         cfg = json.load(f)
     out, refs = {}, {}
@@ -181,10 +187,7 @@ def write_quantized(src_dir: str, out_dir: str, method: str, quant_config: dict,
 def write_float(src_dir: str, out_dir: str, weights: dict[str, torch.Tensor]) -> str:
     """src_dir's float model with `weights` (name -> tensor) replaced: the float32 reference model."""
     os.makedirs(out_dir, exist_ok=True)
-    state = {}
-    for f in sorted(os.listdir(src_dir)):
-        if f.endswith(".safetensors"):
-            state.update(load_file(os.path.join(src_dir, f)))
+    state = _load_state(src_dir)
     state = {n: t for n, t in state.items() if n.endswith((".weight", ".bias"))}  # drop quantized parts
     state.update({n: w.float().contiguous() for n, w in weights.items()})
     save_file({n: t.float().contiguous() for n, t in state.items()}, os.path.join(out_dir, "model.safetensors"))

@@ -129,7 +129,8 @@ def test_blocks_equal_the_format_formula(checkpoint, name):
         assert torch.equal(weights[wname], pw.dequantize()), wname
         torch.testing.assert_close(weights[wname], ref, rtol=0, atol=1e-6 * float(ref.abs().max()))
     assert kinds == VARIANTS[name][3]
-    assert "lm_head.weight" not in refs and PACKED_SUFFIX not in "".join(n for n in weights if "embed" in n)
+    assert "lm_head.weight" + PACKED_SUFFIX not in weights and PACKED_SUFFIX not in "".join(
+        n for n in weights if "embed" in n)
 
 
 def test_act_order_blocks_carry_the_sorting_permutation(checkpoint):
@@ -243,6 +244,11 @@ def test_legacy_quantize_config_json_and_ignored_modules(tiny_hf_model, tmp_path
     weights = _load(str(tmp_path))
     assert refs and all(n + PACKED_SUFFIX in weights for n in refs)
     assert not any("mlp" in n and n.endswith(PACKED_SUFFIX) for n in weights)
+    from pagellm.model.loader.model_loader import get_model
+    from pagellm.platforms import get_platform
+
+    with pytest.raises(ValueError, match="quantized already .*'gptq'"):  # int8 at load would quantize twice
+        get_model(str(tmp_path), load_config(str(tmp_path)), get_platform("cpu"), torch.float32, quantization="int8")
 
 
 @torch.no_grad()

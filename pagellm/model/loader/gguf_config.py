@@ -15,21 +15,16 @@ SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 _REQUIRED = object()
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def gguf_config(gf: GGUFFile) -> ModelConfig:
     arch = gf.architecture
     if arch not in SUPPORTED_ARCHS:
-        raise ModelFileError(gf.path, f"unsupported GGUF architecture {_short(arch)}; "
+        raise ModelFileError(gf.path, f"unsupported GGUF architecture {checks.short(arch)}; "
                              f"supported: {', '.join(SUPPORTED_ARCHS)}", "general.architecture")
     md = gf.metadata
 
     def num(key: str, default=_REQUIRED, kind=checks.require_int, **bounds):
         full = f"{arch}.{key}"
-        value = md.get(full, default)
+        value = gf.arch_key(key, default)
         if value is _REQUIRED:
             raise ModelFileError(gf.path, "metadata key is missing", full)
         if value is None:
@@ -38,11 +33,11 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
 
     hidden = num("embedding_length", low=1)
     heads = num("attention.head_count", low=1)
-    kv_heads = md.get(f"{arch}.attention.head_count_kv", heads)
+    kv_heads = gf.arch_key("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer counts exist in some archs; dense models repeat one value
         kv_heads = kv_heads[0] if kv_heads else None
     kv_heads = checks.require_int(gf.path, f"{arch}.attention.head_count_kv", kv_heads, low=1)
-    vocab = md.get(f"{arch}.vocab_size")
+    vocab = gf.arch_key("vocab_size")
     if vocab is None:
         embd = gf.tensors.get("token_embd.weight")
         vocab = embd.shape[0] if embd is not None else len(md.get("tokenizer.ggml.tokens") or ())
@@ -96,7 +91,7 @@ def _rope_scaling(gf: GGUFFile, theta: float, head_dim: int) -> dict | None:
                     out[hf] = checks.require_number(gf.path, key + name, v)
         return out
     if kind not in (None, "none"):
-        raise ModelFileError(gf.path, f"unsupported rope scaling type {_short(kind)}", key + "type")
+        raise ModelFileError(gf.path, f"unsupported rope scaling type {checks.short(kind)}", key + "type")
     if "rope_freqs.weight" in gf.tensors:
         # Llama 3.x GGUFs store precomputed per-frequency factors instead of the scaling parameters.
         info = gf.tensors["rope_freqs.weight"]

@@ -82,7 +82,7 @@ def _layer_order(name: str) -> tuple:
 def check_config_values(path: str, cfg: ModelConfig) -> None:
     """Values ModelConfig's arithmetic or the model's tables would trip over, each named."""
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
+                 "num_key_value_heads", "head_dim"):
         require_int(path, name, getattr(cfg, name), low=1)
     require_int(path, "max_position_embeddings", cfg.max_position_embeddings, low=1, high=MAX_CONTEXT_LENGTH)
     if cfg.num_attention_heads % cfg.num_key_value_heads:
@@ -101,7 +101,7 @@ def check_config_values(path: str, cfg: ModelConfig) -> None:
 
 def require_int(path: str, name: str, value, low: int | None = None, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ModelFileError(path, f"must be an integer, got {_short(value)}", name)
+        raise ModelFileError(path, f"must be an integer, got {short(value)}", name)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ModelFileError(path, f"must be {bounds}, got {value}", name)
@@ -110,12 +110,13 @@ def require_int(path: str, name: str, value, low: int | None = None, high: int |
 
 def require_number(path: str, name: str, value, low: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ModelFileError(path, f"must be a number, got {_short(value)}", name)
+        raise ModelFileError(path, f"must be a number, got {short(value)}", name)
     if low is not None and not value >= low:  # also refuses NaN
         raise ModelFileError(path, f"must be >= {low}, got {value}", name)
     return float(value)
 
 
-def _short(value) -> str:
+def short(value) -> str:
+    """A value for an error message, cut to 60 characters (a corrupt file may hold megabytes)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
 from pagellm.config import ModelConfig
 from pagellm.model.layers.custom_op import CustomOp
 from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.rotary import RotaryEmbedding
-from pagellm.model.loader import HF_QUANT_METHODS, is_gguf_path, iter_weights
+from pagellm.model.loader import is_gguf_path, iter_weights
 from pagellm.model.models.llama import MODEL_REGISTRY
 from pagellm.platforms import Platform
 from pagellm.quant import rtn
@@ -33,9 +30,7 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
     float checkpoint's matrices at load (pagellm.quant.rtn, int4 in groups of quantization_group_size), the
     tied LM head included."""
     if quantization in rtn.RTN_QUANTIZATIONS:
-        _check_float_checkpoint(path, quantization)
-    elif quantization not in ("auto", "none", *HF_QUANT_METHODS):
-        raise ValueError(f"--quantization {quantization} is not implemented yet")
+        _check_float_checkpoint(path, cfg, quantization)
     arch = cfg.architecture
     if arch not in MODEL_REGISTRY:
         raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(MODEL_REGISTRY)})")
@@ -71,17 +66,15 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
     return model.eval()
 
 
-def _check_float_checkpoint(path: str, quantization: str) -> None:
-    """int8/int4 at load quantize float weights; a checkpoint that is quantized already is refused."""
+def _check_float_checkpoint(path: str, cfg: ModelConfig, quantization: str) -> None:
+    """int8/int4 at load quantize float weights; a checkpoint that is quantized already is refused (its format
+    is `cfg.weight_format`, from config.json or an old quantize_config.json)."""
     if is_gguf_path(path):
         raise ValueError(f"--quantization {quantization} quantizes a float Hugging Face checkpoint; {path} is a "
                          "GGUF, whose weights are quantized already (use --quantization auto or none)")
-    config = os.path.join(path, "config.json")
-    with open(config, encoding="utf-8") as f:
-        method = (json.load(f).get("quantization_config") or {}).get("quant_method")
-    if method:
-        raise ValueError(f"--quantization {quantization} quantizes a float checkpoint; {config} says it is "
-                         f"quantized already (quant_method {method!r}; use --quantization auto)")
+    if cfg.weight_format:
+        raise ValueError(f"--quantization {quantization} quantizes a float checkpoint; {path} says it is "
+                         f"quantized already (quant_method {cfg.weight_format!r}; use --quantization auto)")
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

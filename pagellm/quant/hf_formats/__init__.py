@@ -8,16 +8,9 @@ weight is read (`check_shapes`, header data only) and turns them into blocks (`t
 
 from __future__ import annotations
 
-from pagellm.quant.hf_formats.quant_config import (
-    METHODS,
-    HFQuantConfig,
-    WeightArgs,
-    read_quant_config,
-    resolve_quantization,
-)
+from pagellm.quant.hf_formats.quant_config import HFQuantConfig
 
-__all__ = ["METHODS", "HFQuantConfig", "WeightArgs", "format_module", "group_modules", "read_quant_config",
-           "resolve_quantization"]
+__all__ = ["format_module", "group_modules"]
 
 
 def format_module(method: str):

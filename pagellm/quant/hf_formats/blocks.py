@@ -86,9 +86,7 @@ def blockwise_scale(scale: torch.Tensor, n: int, k: int, block: tuple[int, int])
 
 def per_channel_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """A per-tensor (one value) or per-output-channel ([N] / [N, 1]) scale -> [N, K/32]."""
-    s = scale.float().reshape(-1, 1)
-    return s.expand(n, k // BLOCK).contiguous() if s.shape[0] == n else s.reshape(1, 1).expand(
-        n, k // BLOCK).contiguous()
+    return scale.float().reshape(-1, 1).expand(n, k // BLOCK).contiguous()  # [1, 1] or [N, 1] broadcasts
 
 
 # part -> (safetensors dtype name, shape), from a file's header or from the tensors themselves

@@ -66,9 +66,9 @@ def check_shapes(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, parts: PartI
 
 def to_packed(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, tensors: dict[str, torch.Tensor], n: int,
               k: int, parts: PartInfo) -> PackedWeight:
-    groups = check_shapes(err, qc, args, parts, n, k)
-    if args.type == "float":
+    if args.type == "float":  # (fp8.to_packed checks its own shapes)
         return fp8.to_packed(err, qc, args, tensors, n, k, parts)
+    groups = check_shapes(err, qc, args, parts, n, k)
     offset, top = 1 << (args.bits - 1), (1 << args.bits) - 1
     if args.format == "pack-quantized":
         shape = [int(v) for v in tensors["weight_shape"].tolist()]

@@ -58,6 +58,6 @@ def to_packed(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, tensors: dict[s
     pw = fp8_blocks(tensors["weight"], d)
     if qc.method == "fp8":  # W8A8: the inputs are fp8 too
         pw.act_fp8 = True
-        if "input_scale" in tensors and qc.activations.startswith("fp8 static"):
+        if "input_scale" in tensors and qc.static_input_scale:
             pw.act_scale = float(tensors["input_scale"].float().reshape(-1)[0])
     return pw

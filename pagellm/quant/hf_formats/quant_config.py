@@ -36,7 +36,7 @@ class HFQuantConfig:
     weights: WeightArgs = field(default_factory=WeightArgs)
     gptq_v1_zeros: bool = True  # GPTQ checkpoint_format "gptq" (v1): stored zeros are z - 1
     desc_act: bool = False
-    activations: str = "float32"  # what the checkpoint asked for its inputs (pagellm keeps float32)
+    static_input_scale: bool = False  # fp8 W8A8 with activation_scheme static (the inputs' scale is stored)
     ignore: tuple[str, ...] = ()
     # compressed-tensors config_groups: (targets, weights) in file order
     groups: list[tuple[tuple[str, ...], WeightArgs]] = field(default_factory=list)
@@ -175,7 +175,7 @@ def _fp8(path: str, qc: dict) -> HFQuantConfig:
     if block is not None:
         block = _block(path, "quantization_config.weight_block_size", block)
     args = WeightArgs(8, "float", True, "block" if block else "channel", -1, block)
-    return HFQuantConfig("fp8", path, args, activations=f"fp8 {scheme} (inputs rounded to e4m3)",
+    return HFQuantConfig("fp8", path, args, static_input_scale=scheme == "static",
                          ignore=_ignore(path, qc, "ignored_layers", "modules_to_not_convert"))
 
 
@@ -198,7 +198,7 @@ def _compressed_tensors(path: str, qc: dict) -> HFQuantConfig:
     if not isinstance(groups_cfg, dict) or not groups_cfg:
         raise ModelFileError(path, "must be a non-empty object of quantization groups",
                              "quantization_config.config_groups")
-    groups, acts = [], set()
+    groups = []
     for name, g in groups_cfg.items():
         key = f"quantization_config.config_groups.{name}"
         if not isinstance(g, dict) or not isinstance(g.get("targets"), list) or not isinstance(g.get("weights"), dict):
@@ -207,18 +207,15 @@ def _compressed_tensors(path: str, qc: dict) -> HFQuantConfig:
         if fmt not in CT_FORMATS:
             raise ModelFileError(path, f"format {str(fmt)[:40]!r} is not supported (supported: "
                                  f"{', '.join(CT_FORMATS)})", key + ".format")
+        # (input_activations, W8A8, are not emulated: these checkpoints run weight-only)
         groups.append((tuple(str(t) for t in g["targets"]), _ct_weights(path, key + ".weights", g["weights"], fmt)))
-        ia = g.get("input_activations")
-        if isinstance(ia, dict):
-            acts.add(f"{ia.get('type', 'int')}{ia.get('num_bits', 8)} {'dynamic' if ia.get('dynamic') else 'static'}")
-    activations = f"{', '.join(sorted(acts))} (run as float32)" if acts else "float32"
-    return HFQuantConfig("compressed-tensors", path, groups[0][1], activations=activations,
-                         ignore=_ignore(path, qc, "ignore"), groups=groups)
+    return HFQuantConfig("compressed-tensors", path, groups[0][1], ignore=_ignore(path, qc, "ignore"),
+                         groups=groups)
 
 
 def _ct_weights(path: str, key: str, w: dict, fmt: str) -> WeightArgs:
     kind, bits = w.get("type", "int"), _get(path, w, "num_bits", int, 8)
-    strategy, gs = w.get("strategy", "tensor"), _get(path, w, "group_size", int, -1) if "group_size" in w else -1
+    strategy, gs = w.get("strategy", "tensor"), _get(path, w, "group_size", int, -1)
     sym = _get(path, w, "symmetric", bool, True)
     if kind == "float":
         if bits != 8 or fmt != "float-quantized":
