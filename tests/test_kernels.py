@@ -44,7 +44,7 @@ def random_packed(kind: str, n: int, k: int, rng: np.random.Generator) -> Packed
     return PackedWeight(kind, torch.from_numpy(rng.integers(-128, 128, (n, k), dtype=np.int8)), d, m)
 
 
-@pytest.mark.parametrize("kind", sorted(ops.KERNEL_KINDS))
+@pytest.mark.parametrize("kind", sorted(ops.KIND_CODES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 20])
 def test_packed_linear_matches_float32_weights(kind, rows):
     """Equal to the float64 product up to float32 summation error, whatever the order the build sums in

@@ -266,6 +266,13 @@ def test_fp8_static_input_scale_rounds_inputs_and_fused_shards_take_the_largest(
     assert torch.equal(fp8_activations(x, 0.05), want) and want[0, 2] == 448 * 0.05  # 30 clips to 22.4
     a, b = PackedWeight.cat([pw, pw]), PackedWeight.cat([pw, PackedWeight(**{**pw.__dict__, "act_scale": 0.2})])
     assert a.act_scale == pytest.approx(0.05) and b.act_scale == pytest.approx(0.2) and b.act_fp8
+    from pagellm.kernels.decoder import NativeDecoder
+    from pagellm.model.loader.model_loader import get_model
+    from pagellm.platforms import get_platform
+
+    # the one-call native decoder does not round inputs, so such a model keeps the module path
+    model = get_model(path, load_config(path), get_platform("cpu"), torch.float32)
+    assert model.layers[0].mlp.down_proj.packed.act_fp8 and not NativeDecoder.supports(model)
 
 
 def test_gptq_zero_biases_are_skipped_and_nonzero_ones_refused(tiny_hf_model, tmp_path):

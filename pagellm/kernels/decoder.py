@@ -76,8 +76,9 @@ class NativeDecoder:
     def supports(model) -> bool:
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        return cpu_kernels() is not None and all(m.packed is not None and m.packed.kind in KIND_CODES
-                                                 and m.packed.perm is None for m in linears) and \
+        # (W8A8 FP8 layers round their inputs to e4m3 first, which only the module path does)
+        return cpu_kernels() is not None and all(m.packed is not None and m.packed.perm is None
+                                                 and not m.packed.act_fp8 for m in linears) and \
             model.embed_tokens.weight.dtype == torch.float32 and model.layers[0].self_attn.head_dim % 8 == 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta):

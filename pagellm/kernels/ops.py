@@ -25,7 +25,6 @@ def ptr(t: torch.Tensor | None) -> int | None:
 # PackedWeight kinds the native packed kernels (and blas.packed_matmul, the native decoder) read in place,
 # with the code the C++ side knows each by (cpu/quant_linear.cpp pagellm_packed_linear, cpu/gemm.cpp).
 KIND_CODES = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "fp8_e4m3": 3, "q4_1_16": 4, "q8_0_16": 5, "q8_1_16": 6}
-KERNEL_KINDS = frozenset(KIND_CODES)
 # Kinds with an int8-activation kernel; the others run their float32 kernel when int8 activations are asked
 # for. fp8: e4m3 values span 2^-9..448, which 8-bit integer dot products cannot hold exactly; the *_16
 # kinds: one scale per 16 weights would need a second scale per integer dot product (not built).
@@ -34,7 +33,7 @@ INT8_ACTIVATION_KINDS = frozenset({"q4_1", "q8_0", "q8_1"})
 
 def kernel_reads(w: PackedWeight) -> bool:
     """Whether packed_linear can multiply by this weight's blocks (else the layer keeps a float copy)."""
-    return w.kind in KERNEL_KINDS
+    return w.kind in KIND_CODES
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = False) -> torch.Tensor:

@@ -2,7 +2,8 @@
 kernels/ and model/.
 
 A `PackedWeight` holds the same numbers as the float32 weight the loader dequantizes (the kernels
-rebuild each weight as d * q (+ m) in float32, the dequantizer's arithmetic), in 4-6x fewer bytes.
+rebuild each weight as d * q (+ m) in float32, the dequantizer's arithmetic), in 2.7-5.3x fewer bytes
+(0.75-1.5 per weight).
 Decode reads every weight once per token, so bytes are time: few-row matmuls use the packed form,
 many-row ones (prefill) the float32 GEMM, which is compute-bound and faster there.
 """

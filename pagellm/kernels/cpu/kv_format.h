@@ -60,11 +60,7 @@ inline uint8_t float_to_fp8(float x, float max_value, uint8_t max_code, uint8_t 
 
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return (float)x; }
-inline float to_float(e4m3_t x) {
-    const int e = (x.bits >> 3) & 0xF, m = x.bits & 7;
-    const float a = (x.bits & 0x7F) == 0x7F ? NAN : e ? std::ldexp((float)(8 + m), e - 10) : std::ldexp((float)m, -9);
-    return x.bits & 0x80 ? -a : a;
-}
+inline float to_float(e4m3_t x) { return fp8_e4m3_value(x.bits); }  // simd.h: the weights' decoder
 inline float to_float(e5m2_t x) { return half_to_float((uint16_t)(x.bits << 8)); }
 #ifdef PAGELLM_SIMD_ATTENTION
 inline float to_float(uint16_t x) { return _cvtsh_ss(x); }

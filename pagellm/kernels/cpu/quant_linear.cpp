@@ -7,7 +7,8 @@
 //   q4_1_16, q8_0_16, q8_1_16: as q4_1, q8_0, q8_1 with d (and m) per 16 weights (GGUF's K-quant scale
 //             groups): two scales per 32-block, elements 0..15 and 16..31
 // The arithmetic is float32 throughout (y = sum over groups of d * (q . x) + m * sum(x)): the same
-// weights as the dequantized float32 path, reading 3-6x fewer bytes, differing only in rounding order.
+// weights as the dequantized float32 path, reading 2.7-5.3x fewer bytes (0.75-1.5 bytes per weight,
+// benchmarks/microbench_kinds.py prints them), differing only in rounding order.
 // Meant for few rows (decode, speculative verification): each block's quants are converted once per
 // tile of up to 8 rows, so cost grows with M where a float32 GEMM's does not. Every row is computed by
 // the same operations whatever M, so a row's result does not depend on the rows beside it.

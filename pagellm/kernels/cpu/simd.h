@@ -59,7 +59,7 @@ inline __m256 fp8_e4m3_8(const uint8_t* p) {
 }
 
 #if defined(__F16C__)
-// With F16C, 16 patterns at a time in a third of the instructions: the 7 magnitude bits placed as an f16's
+// With F16C, 16 patterns at a time in fewer instructions: the 7 magnitude bits placed as an f16's
 // exponent and mantissa (0eeee mmm0000000: bias 15 instead of 7, subnormals alike), the sign at bit 15,
 // 0x7F/0xFF made an f16 NaN; converted exactly, then scaled by 2^8 (exact).
 inline __m256i fp8_e4m3_as_f16(const uint8_t* p) {
