@@ -93,18 +93,19 @@ def test_plan_cli_json_and_one_line_errors():
 
 
 def test_the_engine_sizes_its_cache_with_the_plan_arithmetic():
-    """One formula: LLMEngine's bytes per block are the plan's bytes per token times the block size, for every
-    KV dtype, and the plan's row bytes are the cache's (int8 rows carry a 2-byte scale)."""
+    """The plan's row bytes are those of the rows the runner allocates (kv_row_width elements of the cache
+    dtype: int8 rows carry a 2-byte scale), so LLMEngine's bytes per block (the plan's formula) are the
+    allocated cache's, for every KV dtype."""
     import torch
 
     from pagellm.engine.llm_engine import kv_bytes_per_block
     from pagellm.plan.memory import kv_row_bytes
-    from pagellm.quant.kv_cache import KV_QUANT_DTYPES, kv_dtype_label
-    from pagellm.quant.kv_cache import kv_row_bytes as cache_row_bytes
+    from pagellm.quant.kv_cache import KV_QUANT_DTYPES, kv_dtype_label, kv_row_width
 
     cfg = preset_config("smollm2-135m")
     for dtype in (torch.float32, torch.float16, torch.bfloat16, *KV_QUANT_DTYPES.values()):
-        name = kv_dtype_label(dtype)
-        assert kv_row_bytes(cfg.head_dim, name) == cache_row_bytes(cfg.head_dim, dtype), name
-        assert kv_bytes_per_block(cfg, 16, dtype) == kv_bytes_per_token(cfg, name) * 16
+        allocated = kv_row_width(cfg.head_dim, dtype) * dtype.itemsize
+        assert kv_row_bytes(cfg.head_dim, kv_dtype_label(dtype)) == allocated, dtype
+        rows = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 16  # K and V, every layer and KV head
+        assert kv_bytes_per_block(cfg, 16, dtype) == rows * allocated
     assert kv_bytes_per_token(cfg, "float32") == 46080 and kv_bytes_per_token(cfg, "int8") == 11880

@@ -149,9 +149,9 @@ def _load(args: EngineArgs):
     return LLM(args.model, **fields)
 
 
-def _free(llm) -> None:
-    platform = llm.engine.platform
-    del llm
+def _release(platform) -> None:
+    """Once the caller has dropped its last reference to the engine: collect it and hand the freed memory
+    back to the system (malloc_trim), before the next engine loads."""
     gc.collect()
     platform.release_free_memory()
 
@@ -221,7 +221,9 @@ def run_reference(args: EngineArgs, data: EvalData, max_tokens: int, chunk: int,
         clock.lap("teacher_forced")
         vocab = llm.engine.model_config.vocab_size
     finally:
-        _free(llm)
+        platform = llm.engine.platform
+        del llm
+        _release(platform)
     return Reference(config_of(args), perplexity, text_ids, prompt_ids, outputs, rows, vocab, clock.total(),
                      clock.phases)
 
@@ -231,9 +233,9 @@ def run_candidate(args: EngineArgs, data: EvalData, ref: Reference, chunk: int, 
     """One configuration against the reference: every EVAL_FIELDS figure, plus counts and wall time."""
     clock = _PhaseClock()
     llm = _load(args)
+    engine = llm.engine
     try:
         clock.lap("load")
-        engine = llm.engine
         text_ids = llm.get_tokenizer().encode(data.text)
         if (text_ids != ref.text_ids or encode_prompts(llm, data.prompts, chat) != ref.prompt_ids
                 or engine.model_config.vocab_size != ref.vocab_size):
@@ -273,7 +275,9 @@ def run_candidate(args: EngineArgs, data: EvalData, ref: Reference, chunk: int, 
             "prompts": len(ref.prompt_ids), "greedy_agreement_per_prompt": agreement, "model_path": engine.model_path,
         }
     finally:
-        _free(llm)
+        platform = engine.platform
+        del llm, engine
+        _release(platform)
     result["wall_s"] = clock.total()
     result["phase_s"] = clock.phases
     return result

@@ -11,9 +11,10 @@ nothing is published to the prefix cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,36 +40,56 @@ def embed(engine, prompt: str | list[int], pooling: str | None = None, normalize
         else list(prompt)
     if truncate_prompt_tokens is not None:
         ids = ids[-truncate_prompt_tokens:]
+    check_token_ids(engine, ids, "input")
+    with borrowed_request(engine, ids, "embed", KVCacheBusy) as req:
+        return _pooled(engine, req, pooling, normalize), len(ids)
+
+
+def check_token_ids(engine, ids: list[int], what: str) -> None:
+    """ValueError naming `what` for an empty sequence, an id outside the vocabulary or one longer than
+    max_model_len (nothing is generated, so the whole context may be used)."""
     vocab = engine.model_config.vocab_size
     if not ids:
-        raise ValueError("input must contain at least one token")
+        raise ValueError(f"{what} must contain at least one token")
     bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
     if bad is not None:
-        raise ValueError(f"input token id {bad} is out of range [0, {vocab})")
-    if len(ids) > engine.max_model_len:  # nothing is generated, so the whole context may be used
-        raise ValueError(f"input has {len(ids)} tokens, but max_model_len is {engine.max_model_len}")
-    kv = engine.kv_cache
-    req = Request(f"embed-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1))
-    if kv.allocate_slots(req, len(ids)) is None:
-        raise KVCacheBusy(f"the KV cache has no room for {len(ids)} tokens now")
+        raise ValueError(f"{what} token id {bad} is out of range [0, {vocab})")
+    if len(ids) > engine.max_model_len:
+        raise ValueError(f"{what} has {len(ids)} tokens, but max_model_len is {engine.max_model_len}")
+
+
+@contextlib.contextmanager
+def borrowed_request(engine, ids: list[int], tag: str, busy: type[Exception]) -> Iterator[Request]:
+    """A throwaway Request holding KV blocks for `ids` from the engine's manager, freed on exit whatever
+    happens; `busy` is raised when the cache has no room now."""
+    req = Request(f"{tag}-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1))
+    if engine.kv_cache.allocate_slots(req, len(ids)) is None:
+        raise busy(f"the KV cache has no room for {len(ids)} tokens now")
     try:
-        return _pooled(engine, req, pooling, normalize), len(ids)
+        yield req
     finally:
-        kv.free(req)
+        engine.kv_cache.free(req)
+
+
+def hidden_chunks(engine, req: Request, chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first position, final hidden states) of each forward over the request's tokens, `chunk` rows at a
+    time, through the engine's own runner; advances req.num_computed_tokens."""
+    table = engine.kv_cache.block_table(req.request_id)
+    while req.num_computed_tokens < req.num_tokens:
+        first = req.num_computed_tokens
+        n = min(chunk, req.num_tokens - first)
+        hidden, _ = engine.runner.forward_hidden(SchedulerOutput([ScheduledRequest(req, n, table)], n))
+        yield first, hidden
+        req.num_computed_tokens += n
 
 
 @torch.inference_mode()
 def _pooled(engine, req: Request, pooling: str, normalize: bool) -> list[float]:
-    budget = engine.scheduler.config.max_num_batched_tokens
-    table = engine.kv_cache.block_table(req.request_id)
     total = None
-    while req.num_computed_tokens < req.num_tokens:
-        n = min(budget, req.num_tokens - req.num_computed_tokens)
-        hidden, _ = engine.runner.forward_hidden(SchedulerOutput([ScheduledRequest(req, n, table)], n))
+    for _, hidden in hidden_chunks(engine, req, engine.scheduler.config.max_num_batched_tokens):
         hidden = hidden.float()
         part = hidden[-1] if pooling == "last" else hidden.sum(dim=0)
         total = part if total is None or pooling == "last" else total + part
-        req.num_computed_tokens += n
     vec = total if pooling == "last" else total / req.num_tokens
     if normalize:
         vec = torch.nn.functional.normalize(vec, dim=0)

@@ -60,8 +60,6 @@ def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
     name = args.kv_dtype_name
     if name in KV_QUANT_DTYPES:
         return KV_QUANT_DTYPES[name]
-    if name not in ("auto", *DTYPES):
-        raise ValueError(f"kv_cache_dtype {name!r} is not implemented")
     return dtype if name == "auto" else DTYPES[name]
 
 
@@ -143,13 +141,13 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - t0
         impl = next((m.impl for m in self.model.modules() if isinstance(m, CustomOp)), "native")
         logger.info("%s; engine: dtype %s, KV %s, attention %s, ops forward_%s%s", platform.summary_line(
-            platform.HARDWARE_KEYS), _name(dtype), _name(kv_dtype), backend.name, impl,
+            platform.HARDWARE_KEYS), kv_dtype_label(dtype), kv_dtype_label(kv_dtype), backend.name, impl,
             ", one-call native decoder" if self.runner.compiled_decoder is not None else "")
         logger.info(
             "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache (%s, %d bytes/token) %d blocks x "
             "%d tokens = %d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
-            path, cfg.architecture + (f", {cfg.weight_format}" if cfg.weight_format else ""), _name(dtype),
-            self.startup_seconds, self.weights_bytes / 2**20, _name(kv_dtype),
+            path, cfg.architecture + (f", {cfg.weight_format}" if cfg.weight_format else ""), kv_dtype_label(dtype),
+            self.startup_seconds, self.weights_bytes / 2**20, kv_dtype_label(kv_dtype),
             self.bytes_per_block // cache.block_size, num_blocks,
             cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
             self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)
@@ -397,6 +395,3 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()
 
-
-def _name(dtype: torch.dtype) -> str:
-    return kv_dtype_label(dtype)  # float32, ..., int8, fp8_e4m3, fp8_e5m2

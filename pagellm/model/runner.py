@@ -33,7 +33,7 @@ class ModelRunner:
         # block copy below (swap, copy-on-write) carries the scales with the values.
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, kv_row_width(cfg.head_dim, kv_dtype))
         self.kv_caches = [platform.allocate_kv(shape, kv_dtype) for _ in range(cfg.num_hidden_layers)]
-        # Swap space: one host tensor for all layers, [layers, 2, host_blocks, block_size, kv_heads, head_dim].
+        # Swap space: one host tensor for all layers, [layers, 2, host_blocks, block_size, kv_heads, row width].
         host_shape = (cfg.num_hidden_layers, 2, num_host_blocks, *shape[2:])
         self.host_cache = platform.allocate_swap(host_shape, kv_dtype) if num_host_blocks else None
         # Built once the weights are final (they are: the loader ran); holds raw pointers into the model.

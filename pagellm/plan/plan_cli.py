@@ -6,12 +6,11 @@ import argparse
 import json
 import os
 
-from pagellm.config import ModelConfig
-from pagellm.plan.memory import DTYPE_BYTES, MemoryPlan, plan_memory, smallest_parallelism
+from pagellm.config import KV_CACHE_DTYPES, ModelConfig
+from pagellm.plan.memory import MemoryPlan, plan_memory, smallest_parallelism
 from pagellm.plan.presets import ARCHITECTURES, GPUS, preset_config
 
 DTYPES = ("float32", "float16", "bfloat16")
-KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def parse_size(text: str) -> int:
@@ -63,7 +62,7 @@ def add_plan_parser(sub) -> None:
                                                                 "a GPU, float32 with --cpu)")
     p.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
                    help="weight-only format of the linear layers (embeddings stay in --dtype)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     p.add_argument("--kv-heads", type=int, default=None, help="override the KV head count (what-if: MHA vs GQA)")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=1, help="sequences that must fit at max_model_len")
@@ -132,4 +131,4 @@ def format_plan(r: MemoryPlan, label: str, smallest: tuple[int, int] | None) -> 
     return "\n".join(lines)
 
 
-__all__ = ["DTYPE_BYTES", "add_plan_parser", "format_plan", "load_model", "parse_size", "run_plan"]
+__all__ = ["add_plan_parser", "format_plan", "load_model", "parse_size", "run_plan"]

@@ -46,11 +46,6 @@ def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
-def kv_row_bytes(head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one token's key (or value) of one KV head takes in the cache."""
-    return kv_row_width(head_dim, dtype) * dtype.itemsize
-
-
 def cache_head_dim(kv_cache: torch.Tensor) -> int:
     """head_dim of a cache [2, num_blocks, block_size, num_kv_heads, W]."""
     width = kv_cache.shape[-1]
