@@ -153,6 +153,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8
 # types; none dequantizes every quantized weight to the compute dtype; int8/int4 quantize a float
 # checkpoint's matrices at load (round to nearest: per-channel int8, int4 in groups).
 QUANTIZATIONS = ("auto", "none", "gptq", "awq", "fp8", "compressed-tensors", "int8", "int4")
+# Group sizes along K of int4 at load and of `pagellm quantize` (multiples of the kernels' 32-weight blocks).
+QUANT_GROUP_SIZES = (32, 64, 128)
 ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa_batched", "torch_sdpa_reference")
 # Earlier names, still accepted (with a deprecation warning) so existing scripts and configs keep working.
 ATTENTION_BACKEND_ALIASES = {"native": "cpu_paged", "batched": "torch_sdpa_batched",
@@ -224,7 +226,7 @@ class EngineArgs:
                              f"{list(ATTENTION_BACKEND_ALIASES)}), got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.quantization_group_size not in (32, 64, 128):
+        if self.quantization_group_size not in QUANT_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")

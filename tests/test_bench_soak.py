@@ -73,7 +73,7 @@ def test_accounting_counts_lost_5xx_and_mismatches():
            "reference": {0: ("a", "length", 3)}, "samples": [],
            "phases": {"start": phase, "after_warmup": phase, "after_drain": {**phase, "rss_bytes": 104},
                       "soak_start_s": 0.0, "soak_end_s": 2.0}}
-    report = summarize(raw, 1.0, 1.0, [])
+    report = summarize(raw)
     t = report["totals"]
     assert (t["lost"], t["server_errors_5xx"], t["unavailable_without_retry_after"]) == (2, 1, 1)
     assert t["completed"] == 2 and t["disconnected_mid_stream"] == 1 and t["rejected_by_status"] == {"500": 1,

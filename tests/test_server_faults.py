@@ -125,8 +125,7 @@ def test_signal_with_32_open_streams_ends_each_and_exits_0(sig, tiny_path, smoll
         assert last["choices"][0]["finish_reason"] in ("abort", "length"), last
     assert all(reason in ("abort", "length") for reason in results[24:]), results[24:]
     assert "aborted" in server.output() and "Traceback" not in server.output()
-    assert before == set()  # pagellm spawns no child process in serving ...
-    assert not any(os.path.exists(f"/proc/{p}") for p in before)  # ... and none would survive it
+    assert before == set()  # pagellm spawns no child process in serving, so none can outlive it
 
 
 # ---- the engine step failing ---------------------------------------------------------------------

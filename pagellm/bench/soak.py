@@ -323,7 +323,7 @@ def run_soak(ns: argparse.Namespace) -> int:
           f"{', '.join(f'{n}@{at:.0f}s' for n, at in bursts) or 'none'}, {ns.canaries} canaries", flush=True)
     t0 = time.time()
     raw = asyncio.run(_main(ns, warmup, bursts))
-    results = summarize(raw, warmup, ns.duration, bursts)
+    results = summarize(raw)
     report = {"benchmark": "soak", "date": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
               "command": "pagellm " + " ".join(sys.argv[1:]), "server_command": ns.server_command,
               "machine": machine, "url": loopback_base(ns.url), "model": raw["model"],

@@ -42,7 +42,7 @@ def _windows(outs: list[Outcome], end: float) -> list[dict]:
     return rows
 
 
-def summarize(raw: dict, warmup: float, duration: float, bursts: list) -> dict:
+def summarize(raw: dict) -> dict:
     outs = [o for _, o in raw["outcomes"]]
     soak = [o for phase, o in raw["outcomes"] if phase == "soak"]
     lost = [o for o in outs if not o.abandoned and (o.status is None or (o.accepted and not o.final))]
@@ -90,7 +90,7 @@ def summarize(raw: dict, warmup: float, duration: float, bursts: list) -> dict:
                                "p99_ttft_ms": _pct([o.ttft for o in soak if o.ttft is not None], 99),
                                "p50_itl_ms": _pct([x for o in soak for x in o.itl], 50),
                                "p99_itl_ms": _pct([x for o in soak for x in o.itl], 99)},
-        "phases": {k: v for k, v in phases.items()},
+        "phases": dict(phases),
         "windows": _windows(outs, timeline_end),
         "metrics_samples": raw["samples"],
         "failures": {"lost": [_example(o, "no final answer") for o in lost[:MAX_EXAMPLES]],

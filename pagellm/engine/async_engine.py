@@ -76,9 +76,9 @@ class AsyncLLMEngine:
         self._accepting = False
         self._stopping = False
         self.error: BaseException | None = None  # why the loop died (EngineDeadError); None while healthy
-        self.log_requests = False
+        self.log_requests = False  # --log-requests: prompts and outputs reach the log only when set
         self._stepped_since_trim = False
-        self._last_trim = 0.0  # --log-requests: prompts and outputs reach the log only when set
+        self._last_trim = 0.0
 
     @property
     def tokenizer(self):

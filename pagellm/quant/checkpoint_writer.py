@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 
 from pagellm.config import ModelConfig
 from pagellm.quant.algorithms.rtn import GroupQuant
+from pagellm.quant.hf_formats.awq import AWQ_ORDER  # the loader's nibble order: one definition
 
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 
-from pagellm.config import ModelConfig
+from pagellm.config import QUANT_GROUP_SIZES, ModelConfig
 
 logger = logging.getLogger("pagellm.quantize")
 METHODS = ("rtn", "gptq", "awq")
@@ -62,7 +62,7 @@ def check_options(ns: argparse.Namespace, cfg: ModelConfig) -> None:
                          f"{'awq' if ns.method == 'awq' else 'gptq'} or compressed-tensors")
     if ns.format == "compressed-tensors" and (ns.desc_act or not ns.sym or ns.method == "awq"):
         raise ValueError("--format compressed-tensors is written for symmetric rtn/gptq without --desc-act only")
-    if ns.group_size not in (32, 64, 128):
+    if ns.group_size not in QUANT_GROUP_SIZES:
         raise ValueError(f"--group-size must be 32, 64 or 128, got {ns.group_size}")
     inputs = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
               "num_attention_heads * head_dim": cfg.num_attention_heads * cfg.head_dim}

@@ -18,7 +18,7 @@ import torch
 
 from pagellm.config import ModelConfig
 from pagellm.quant.algorithms.awq import search_scales
-from pagellm.quant.algorithms.gptq import HessianAccumulator, gptq_quantize
+from pagellm.quant.algorithms.gptq import gptq_quantize, hessian
 from pagellm.quant.algorithms.rtn import GroupQuant, rtn_quantize
 from pagellm.quant.calibration import ATTN, MLP, LayerWeights, LlamaLayerRunner, embed
 
@@ -88,16 +88,16 @@ def _gptq_layer(lw: LayerWeights, runner: LlamaLayerRunner, x: torch.Tensor, set
         todo = _todo(lw, projs, settings)
         if not todo:
             return
-        acc = HessianAccumulator(inputs.shape[-1])
-        acc.add(inputs)
+        h = hessian(inputs)
         w = torch.cat([lw.w(p) for p in todo]).float()
-        gq = gptq_quantize(w, acc.h, settings.bits, settings.group_size, settings.sym, settings.desc_act)
+        gq = gptq_quantize(w, h, settings.bits, settings.group_size, settings.sym, settings.desc_act)
         rtn = rtn_quantize(w, settings.bits, settings.group_size, settings.sym)
-        errors[label] = (_hessian_error(w, gq.dequantize(), acc.h), _hessian_error(w, rtn.dequantize(), acc.h))
+        errors[label] = (_hessian_error(w, gq.dequantize(), h), _hessian_error(w, rtn.dequantize(), h))
         _store(out, lw, todo, settings, gq)
 
-    quantize(("q_proj", "k_proj", "v_proj"), runner.attention_inputs(lw, x), "qkv")
-    quantize(("o_proj",), runner.attention_core(lw, runner.attention_inputs(lw, x)), "o")
+    attn_in = runner.attention_inputs(lw, x)  # (o_proj's inputs use the quantized q/k/v stored above)
+    quantize(("q_proj", "k_proj", "v_proj"), attn_in, "qkv")
+    quantize(("o_proj",), runner.attention_core(lw, attn_in), "o")
     _, h = runner.mlp_inputs(lw, x)
     quantize(("gate_proj", "up_proj"), h, "gate_up")
     quantize(("down_proj",), runner.down_inputs(lw, h), "down")
@@ -139,9 +139,9 @@ def _awq_layer(lw: LayerWeights, runner: LlamaLayerRunner, x: torch.Tensor, sett
     if cfg.num_attention_heads == cfg.num_key_value_heads:  # v's output channels are o's input channels
         fold(lw.name("v_proj"), search(("o_proj",), runner.attention_core(lw, runner.attention_inputs(lw, x)), "o"),
              rows=True)
-    _, h = runner.mlp_inputs(lw, x)
+    r, h = runner.mlp_inputs(lw, x)
     fold(lw.prefix + "post_attention_layernorm.weight", search(("gate_proj", "up_proj"), h, "gate_up"))
-    _, h = runner.mlp_inputs(lw, x)
+    h = runner.norm(r, lw.norm("post_attention_layernorm"))  # the folded norm; attention is unchanged
     fold(lw.name("up_proj"), search(("down_proj",), runner.down_inputs(lw, h), "down"), rows=True)
     for proj in ATTN + MLP:
         _store(out, lw, [proj], settings, rtn_quantize(lw.w(proj), settings.bits, settings.group_size, sym=False))

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.config import QUANT_GROUP_SIZES as GROUP_SIZES
 from pagellm.quant.formats import BLOCK, PackedWeight
 
 RTN_QUANTIZATIONS = ("int8", "int4")
-GROUP_SIZES = (32, 64, 128)
 
 
 def pack_int8_per_channel(w: torch.Tensor) -> PackedWeight:

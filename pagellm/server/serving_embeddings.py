@@ -8,19 +8,17 @@ import base64
 import functools
 import struct
 import uuid
-from typing import Annotated, Literal
+from typing import Literal
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Strict
+from pydantic import BaseModel, ConfigDict
 
 from pagellm.engine.embedding import embed
 from pagellm.engine.request_stream import EngineStoppedError
 from pagellm.server.common import ServerContext, admission_error, now_s, unless_disconnected
 from pagellm.server.errors import APIError
-from pagellm.server.fields import Flag
+from pagellm.server.fields import Flag, TokenId
 from pagellm.server.request_limits import MAX_INPUTS, check_list_length
-
-TokenId = Annotated[int, Strict()]
 
 
 class EmbeddingRequest(BaseModel):

@@ -20,23 +20,15 @@ from pagellm.quant.algorithms.rtn import GroupQuant, group_params, quantize_code
 BLOCK_COLUMNS = 128
 
 
-class HessianAccumulator:
-    """Running H = 2 X X^T / n of a layer's inputs, fed batch by batch (float64: sums of many products)."""
-
-    def __init__(self, in_features: int):
-        self.h = torch.zeros(in_features, in_features, dtype=torch.float64)
-        self.rows = 0
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
-        self.h.mul_(self.rows / (self.rows + x.shape[0]))
-        self.rows += x.shape[0]
-        self.h.addmm_(x.t(), x, alpha=2 / self.rows)
+def hessian(x: torch.Tensor) -> torch.Tensor:
+    """H = 2 X X^T / n of a layer's calibration inputs (float64: sums of many products)."""
+    x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+    return torch.mm(x.t(), x).mul_(2 / x.shape[0])
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool,
                   desc_act: bool = False, damp: float = 0.01) -> GroupQuant:
-    """w: float [N, K]; h: [K, K] from HessianAccumulator. Returns codes in natural column order."""
+    """w: float [N, K]; h: [K, K] from hessian(). Returns codes in natural column order."""
     with one_thread():
         return _gptq(w, h, bits, group_size, sym, desc_act, damp)
 
