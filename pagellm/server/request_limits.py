@@ -4,9 +4,10 @@ The body itself is capped first (`--max-request-body-bytes`, server/middleware.p
 fields would still cost far more than their bytes: every stop string and stop token id is checked at each
 generated token (in the engine step, slowing every request in the batch), every bad word is tokenized at
 admission, and each chat message is rendered through the template and tokenized (10**6 one-letter
-messages, 29 MiB of JSON, took tens of seconds and gigabytes before this cap, in one manual run). The limits sit far above real use
-(OpenAI allows 4 stop strings); `n`, `best_of` and the beam width are bounded by `--max-num-seqs` in the
-engine, `logprobs` by 20, prompt tokens by max_model_len and logit_bias keys by the vocabulary.
+messages, 29 MiB of JSON, took tens of seconds and gigabytes before this cap, in one manual run). The
+limits sit far above real use (OpenAI allows 4 stop strings); `n`, `best_of` and the beam width are
+bounded by `--max-num-seqs` in the engine, `logprobs` by 20, prompt tokens by max_model_len and
+logit_bias keys by the vocabulary.
 """
 
 from __future__ import annotations
