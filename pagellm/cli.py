@@ -8,6 +8,7 @@ import logging
 import sys
 
 from pagellm.config import EngineArgs
+from pagellm.executor.errors import WorkerFailedError
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -15,7 +16,12 @@ def _generate(ns: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.seed_sampling, stop=ns.stop or None)
-    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    args = EngineArgs.from_cli_args(ns)
+    if args.node_rank > 0:  # a worker node of a multi-node run: node 0 prints the output
+        from pagellm.executor.multiproc import run_headless
+
+        return run_headless((args.master_addr, args.master_port), args.nnodes, args.node_rank)
+    llm = LLM(**vars(args))
     if ns.chat:
         out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
     else:
@@ -100,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, TypeError) as e:  # OSError: unreadable model files (permissions, a dir)
         print(f"pagellm: error: {e}", file=sys.stderr)
         return 2
+    except WorkerFailedError as e:  # a tensor/pipeline-parallel worker process died or failed
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -213,6 +213,15 @@ class EngineArgs:
     speculative_adaptive: bool = True
     # /v1/embeddings and LLM.embed: the final hidden state of the last prompt token, or the mean over all.
     embedding_pooling: str = "last"
+    # Tensor x pipeline parallel worker processes (pagellm/executor): None picks "uni" (the engine's own
+    # process) for one rank, else "mp"; "ray" places the workers on a Ray cluster (pip install pagellm[ray]).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self):
         if self.dtype not in COMPUTE_DTYPES:
@@ -239,12 +248,39 @@ class EngineArgs:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        self._check_parallel()
         if self.embedding_pooling not in ("last", "mean"):
             raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
         try:
             self.swap_space = parse_bytes(self.swap_space) if self.swap_space not in (0, "0") else 0
         except ValueError as e:
             raise ValueError(f"swap_space: {e}") from None
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.world_ranks > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank; tensor x pipeline parallel size "
+                             f"is {self.world_ranks}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.master_port:
+            raise ValueError("--nnodes > 1 needs --master-port (and --master-addr: node 0's address)")
+
+    @property
+    def world_ranks(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend:
+            return self.distributed_executor_backend
+        return "mp" if self.world_ranks > 1 or self.nnodes > 1 else "uni"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -327,6 +363,20 @@ class EngineArgs:
                             "from float32 by ~0.03 nats (median; rare tokens up to ~0.7), so greedy output can "
                             "part where the top two tokens are close")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                       help="split every layer's heads and MLP columns over this many worker processes")
+        g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                       help="split the layers into this many pipeline stages, a worker process (per tensor "
+                            "rank) each")
+        g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                       help="uni: the engine's process (one rank); mp: worker processes (the default for more "
+                            "than one rank); ray: workers on a Ray cluster (pip install pagellm[ray])")
+        g.add_argument("--nnodes", type=int, default=1, help="nodes the workers are spread over (multi-node)")
+        g.add_argument("--node-rank", type=int, default=0,
+                       help="this node's rank: 0 runs the engine (and serves), others run workers only")
+        g.add_argument("--master-addr", default=d.master_addr, help="node 0's address, reachable by every node")
+        g.add_argument("--master-port", type=int, default=None,
+                       help="node 0's rendezvous port (default: a free port; required with --nnodes > 1)")
         g.add_argument("--embedding-pooling", default=d.embedding_pooling, choices=["last", "mean"],
                        help="embeddings: the final (normed) hidden state of the last prompt token (default) or "
                             "the mean over all prompt tokens, L2-normalized")

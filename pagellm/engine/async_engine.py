@@ -104,6 +104,9 @@ class AsyncLLMEngine:
         self._wakeup = asyncio.Event()
         self._accepting = True
         self._task = asyncio.create_task(self._loop(), name="pagellm-engine-loop")
+        loop, wakeup = asyncio.get_running_loop(), self._wakeup
+        # a worker process that dies while the engine idles wakes the loop, which then fails and stops
+        self.engine.executor.on_failure = lambda: loop.call_soon_threadsafe(wakeup.set)
 
     # ---- requests (event loop thread) ----------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -193,7 +196,8 @@ class AsyncLLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def _has_work(self) -> bool:
-        return bool(self._adds or self._aborts or self.jobs or self.engine.has_unfinished_requests())
+        return bool(self._adds or self._aborts or self.jobs or self.engine.has_unfinished_requests()
+                    or self.engine.executor.error is not None)  # a dead worker: step, fail, stop
 
     async def _loop(self) -> None:
         while True:

@@ -71,14 +71,17 @@ def borrowed_request(engine, ids: list[int], tag: str, busy: type[Exception]) ->
         engine.kv_cache.free(req)
 
 
-def hidden_chunks(engine, req: Request, chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first position, final hidden states) of each forward over the request's tokens, `chunk` rows at a
-    time, through the engine's own runner; advances req.num_computed_tokens."""
+def hidden_chunks(engine, req: Request, chunk: int, logits: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first position, final hidden states, or with `logits` every row's float32 logits) of each forward over
+    the request's tokens, `chunk` rows at a time, through the engine's executor; advances
+    req.num_computed_tokens."""
     table = engine.kv_cache.block_table(req.request_id)
     while req.num_computed_tokens < req.num_tokens:
         first = req.num_computed_tokens
         n = min(chunk, req.num_tokens - first)
-        hidden, _ = engine.runner.forward_hidden(SchedulerOutput([ScheduledRequest(req, n, table)], n))
+        out = SchedulerOutput([ScheduledRequest(req, n, table)], n)
+        ex = engine.executor
+        hidden = ex.forward_all_logits(out) if logits else ex.forward_hidden(out)
         yield first, hidden
         req.num_computed_tokens += n
 

@@ -102,5 +102,9 @@ class LLM:
             raise ValueError(f"got {len(starts)} starts for {len(sequences)} sequences")
         return [next_token_logprobs(self.engine, s, st, chunk) for s, st in zip(sequences, starts, strict=True)]
 
+    def shutdown(self) -> None:
+        """Stops tensor/pipeline-parallel worker processes now (else they stop with this object or process)."""
+        self.engine.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

@@ -17,10 +17,13 @@ from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.isolation import error_output, sample_isolated
 from pagellm.engine.kv_sizing import fit_max_model_len
 from pagellm.engine.output_processor import RequestState, SequenceState
-from pagellm.model.attention import get_attention_backend
+from pagellm.executor.multiproc import start_workers
+from pagellm.executor.uniproc import UniprocExecutor
+from pagellm.model.attention import AttentionBackend, get_attention_backend
 from pagellm.model.layers.custom_op import CustomOp
 from pagellm.model.loader import load_config, resolve_model_path
 from pagellm.model.loader.model_loader import get_model, model_weight_bytes
+from pagellm.model.parallel import check_splittable
 from pagellm.model.runner import ModelRunner
 from pagellm.outputs import RequestOutput
 from pagellm.plan import kv_bytes_per_token
@@ -48,10 +51,10 @@ class EngineStats:
     steps: int = 0
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for every layer of block_size tokens (docs/architecture.md, "Memory"); an int8 row carries
-    its 2-byte scale (pagellm/quant/kv_cache.py)."""
-    return kv_bytes_per_token(cfg, kv_dtype_label(dtype)) * block_size
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1, pp: int = 1) -> int:
+    """K and V of block_size tokens for every layer and KV head of the busiest rank (docs/architecture.md,
+    "Memory"); an int8 row carries its 2-byte scale (pagellm/quant/kv_cache.py)."""
+    return kv_bytes_per_token(cfg, kv_dtype_label(dtype), tp, pp) * block_size
 
 
 def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
@@ -63,7 +66,7 @@ def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
     return dtype if name == "auto" else DTYPES[name]
 
 
-def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRunner, sampler: Sampler,
+def build_proposer(args: EngineArgs, max_model_len: int, backend: AttentionBackend, sampler: Sampler,
                    cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device):
     if args.speculative_method is None:
         return None
@@ -79,9 +82,9 @@ def build_proposer(args: EngineArgs, max_model_len: int, target_runner: ModelRun
     kv_dtype = resolve_kv_dtype(args, dtype)
     draft = get_model(path, draft_cfg, platform, dtype, device, packed_weights_only=False)
     num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
-    runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, target_runner.backend, platform)
+    runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, backend, platform)
     logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
-    return DraftModelProposer(runner, sampler, KVCacheManager(num_blocks, args.block_size),
+    return DraftModelProposer(UniprocExecutor(runner), sampler, KVCacheManager(num_blocks, args.block_size),
                               args.num_speculative_tokens, max_model_len)
 
 
@@ -99,15 +102,14 @@ class LLMEngine:
         self.model_path = path
         self.model_config = cfg = load_config(path)
         self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
-        self.model = get_model(path, cfg, platform, dtype, self.device, args.int8_activations,
-                               args.packed_weights_only, auto_dtype=args.dtype == "auto",
-                               quantization=args.quantization,
-                               quantization_group_size=args.quantization_group_size)
-        self.weights_bytes = model_weight_bytes(self.model)
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        if args.executor_backend != "uni":
+            check_splittable(cfg, tp, pp)  # before any process starts
 
         cache = args.cache_config()
         self.kv_dtype = kv_dtype = resolve_kv_dtype(args, dtype)
-        self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, kv_dtype)
+        # per rank: --kv-cache-memory is each worker's (as vLLM's is per GPU); every rank holds every block
+        self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, kv_dtype, tp, pp)
         num_blocks = cache.kv_cache_memory // self.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} bytes is less than one KV block "
@@ -125,12 +127,23 @@ class LLMEngine:
         self.max_model_len = sched_cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         backend = get_attention_backend(args.attention_backend, platform, kv_dtype, dtype)
-        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device, backend, platform,
-                                  num_host_blocks=num_host_blocks)
+        self.model = self.runner = None  # in this process only with the "uni" executor
+        if args.executor_backend == "uni":
+            self.model = get_model(path, cfg, platform, dtype, self.device, args.int8_activations,
+                                   args.packed_weights_only, auto_dtype=args.dtype == "auto",
+                                   quantization=args.quantization,
+                                   quantization_group_size=args.quantization_group_size)
+            self.weights_bytes = model_weight_bytes(self.model)
+            self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device, backend,
+                                      platform, num_host_blocks=num_host_blocks)
+            self.executor = UniprocExecutor(self.runner)
+        else:
+            self.executor = start_workers(args, path, dtype, kv_dtype, num_blocks, num_host_blocks)
+            self.weights_bytes = max(self.executor.weights_bytes)  # the busiest rank's
         # Grammars for structured output; xgrammar is loaded on the first structured request.
         self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.step_sampler = StepSampler(Sampler(self.eos_token_ids), self.device, self.structured_output)
-        self.proposer = build_proposer(args, self.max_model_len, self.runner, self.step_sampler.sampler,
+        self.proposer = build_proposer(args, self.max_model_len, backend, self.step_sampler.sampler,
                                        self.model_config, platform, dtype, self.device)
         # The draft model's own cost is not modelled yet: adaptive drafting is for the n-gram proposer.
         adaptive = args.speculative_adaptive and isinstance(self.proposer, NgramProposer)
@@ -139,10 +152,13 @@ class LLMEngine:
         self._seq_to_request: dict[str, str] = {}
         self.stats = EngineStats()
         self.startup_seconds = time.perf_counter() - t0
-        impl = next((m.impl for m in self.model.modules() if isinstance(m, CustomOp)), "native")
+        if self.model is not None:
+            impl = next((m.impl for m in self.model.modules() if isinstance(m, CustomOp)), "native")
+            where = ", one-call native decoder" if self.runner.compiled_decoder is not None else ""
+        else:
+            impl, where = "native", f"; {tp * pp} worker processes (tensor parallel {tp} x pipeline parallel {pp})"
         logger.info("%s; engine: dtype %s, KV %s, attention %s, ops forward_%s%s", platform.summary_line(
-            platform.HARDWARE_KEYS), kv_dtype_label(dtype), kv_dtype_label(kv_dtype), backend.name, impl,
-            ", one-call native decoder" if self.runner.compiled_decoder is not None else "")
+            platform.HARDWARE_KEYS), kv_dtype_label(dtype), kv_dtype_label(kv_dtype), backend.name, impl, where)
         logger.info(
             "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB; KV cache (%s, %d bytes/token) %d blocks x "
             "%d tokens = %d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
@@ -284,11 +300,12 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()  # adaptive speculation weighs whole steps: proposing and bookkeeping cost too
+        self.executor.check_health()  # a worker that died between steps fails this one
         if self.proposer is not None:
             self._propose()
         sched_out = self.scheduler.schedule()
         # One request's parameters failing its sampling fails that request alone (engine/isolation.py).
-        sampled, failed = sample_isolated(self.step_sampler, *self.runner.forward_logits(sched_out))
+        sampled, failed = sample_isolated(self.step_sampler, *self.executor.execute(sched_out))
         errored = self._fail(failed) if failed else []  # finished before update, which then skips them
         before = {s.request.request_id: s.request.num_output_tokens for s in sched_out.scheduled}
         progressed = self.scheduler.update(
@@ -391,6 +408,10 @@ class LLMEngine:
 
     def _count_finished(self, reason: str) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def shutdown(self) -> None:
+        """Stops the worker processes, if any (idempotent; they also stop when this process exits)."""
+        self.executor.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache.reset_prefix_cache()

@@ -1,5 +1,5 @@
 """Full-vocabulary next-token distributions of given token sequences (teacher forcing), from the engine's
-own forward: the same `ModelRunner.forward_hidden` (compiled decoder or module path, as a step of that many
+own forward: the same `ModelRunner.execute` (compiled decoder or module path, as a step of that many
 rows would take) and `compute_logits` that generation uses, never a second implementation of the model.
 
 Like `embed`, it bypasses the scheduler: KV blocks are taken from the engine's `KVCacheManager` for the
@@ -33,8 +33,8 @@ def next_token_logprobs(engine, token_ids: list[int], start: int = 0, chunk: int
 @torch.inference_mode()
 def _rows(engine, req, start: int, chunk: int) -> torch.Tensor:
     parts = []
-    for first, hidden in hidden_chunks(engine, req, chunk):
+    for first, logits in hidden_chunks(engine, req, chunk, logits=True):
         keep = max(start - first, 0)  # rows of positions before `start` are not wanted
-        if keep < len(hidden):
-            parts.append(log_softmax(engine.model.compute_logits(hidden[keep:])).cpu())
+        if keep < len(logits):
+            parts.append(log_softmax(logits[keep:]).cpu())
     return torch.cat(parts)

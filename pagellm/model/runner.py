@@ -1,61 +1,89 @@
-"""SchedulerOutput -> flat input tensors -> one forward over the mixed batch -> logits rows.
+"""StepMessage -> flat input tensors -> one forward over the mixed batch -> logits rows (a StepResult).
 
-The runner owns the KV cache (allocated by the platform) and, where the platform offers one, a compiled
-few-row forward (the CPU's one-call native decoder) that it uses instead of the module path for steps it
-serves. Sampling happens after, in pagellm/sample.
+The runner owns the KV cache of its layers and heads (allocated by the platform), the persistent copy of
+every running sequence (`WorkerBatch`: the message brings only what changed) and, where the platform offers
+one and the model is whole, a compiled few-row forward (the CPU's one-call native decoder). Under pipeline
+parallelism it also passes hidden states between stages (`pipeline`), in micro-batches so that stages
+overlap. Sampling happens after, in the engine (pagellm/sample).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 import torch
 
 from pagellm.core.kv_cache_manager import BlockCopies
-from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagellm.core.step_message import ScheduledRows, StepMessage, WorkerBatch
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
 from pagellm.quant.kv_cache import kv_row_width
-from pagellm.request import Request
 from pagellm.sample.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 
 # Prompt positions whose logits are materialized at once: 128 x 49,152 float32 logits is 24 MiB.
 _PROMPT_LOGITS_ROWS = 128
 
 
+@dataclass
+class StepResult:
+    """sample_rows: indices into the message's rows that sample, in order; logits: their rows (1 +
+    len(drafts) each), float32; prompt_logprobs: row index -> new PromptLogprobRows; hidden: final hidden
+    states of every row (want "hidden"), or logits of every row (want "all_logits")."""
+
+    sample_rows: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    prompt_logprobs: dict[int, list[PromptLogprobRow]] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device, backend: AttentionBackend, platform, num_host_blocks: int = 0):
+                 device: torch.device, backend: AttentionBackend, platform, num_host_blocks: int = 0,
+                 pipeline=None):
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.backend = backend
         self.sliding_window = cfg.sliding_window
+        self.pipeline = pipeline  # pagellm.distributed PipelineLink, or None: one stage
+        start, end = model.layer_range
+        kv_heads = model.layers[start].self_attn.num_kv_heads  # this rank's (tensor parallelism splits them)
         # The last dimension is head_dim, or head_dim + 2 for int8 rows with their in-band scale, so every
         # block copy below (swap, copy-on-write) carries the scales with the values.
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, kv_row_width(cfg.head_dim, kv_dtype))
-        self.kv_caches = [platform.allocate_kv(shape, kv_dtype) for _ in range(cfg.num_hidden_layers)]
+        shape = (2, num_blocks, block_size, kv_heads, kv_row_width(cfg.head_dim, kv_dtype))
+        self.kv_caches = [platform.allocate_kv(shape, kv_dtype) for _ in range(end - start)]
         # Swap space: one host tensor for all layers, [layers, 2, host_blocks, block_size, kv_heads, row width].
-        host_shape = (cfg.num_hidden_layers, 2, num_host_blocks, *shape[2:])
+        host_shape = (end - start, 2, num_host_blocks, *shape[2:])
         self.host_cache = platform.allocate_swap(host_shape, kv_dtype) if num_host_blocks else None
-        # Built once the weights are final (they are: the loader ran); holds raw pointers into the model.
-        self.compiled_decoder = platform.compile_decoder(model, backend.name, kv_dtype)
+        # Built once the weights are final (they are: the loader ran); holds raw pointers into the model,
+        # and runs every layer in one call: only for a whole model (no collectives between layers).
+        whole = getattr(model, "parallel", None) is None
+        self.compiled_decoder = platform.compile_decoder(model, backend.name, kv_dtype) if whole else None
+        self.batch = WorkerBatch()
+        self.pipeline_wait_seconds = 0.0  # time spent waiting for the previous stage (the bubble)
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, rows: list[ScheduledRows]):
         # Plain Python lists, one tensor each: a decode step has a handful of rows, and a dozen small
         # torch ops here cost more than the lists (~0.25 ms of a ~9 ms single-stream step).
         ids, positions, slots, row_req, starts, seq_lens = [], [], [], [], [0], []
-        bs = self.block_size
-        for i, s in enumerate(out.scheduled):
-            start = s.request.num_computed_tokens
-            end = start + s.num_new_tokens
-            ids.extend(s.request.all_token_ids[start:end])
-            ids.extend(s.spec_token_ids)  # drafts to verify sit after the known tokens
+        bs, seqs = self.block_size, self.batch.seqs
+        tables = []
+        for i, r in enumerate(rows):
+            seq = seqs[r.seq_id]
+            start = r.num_computed_tokens
+            end = start + r.num_new_tokens - len(r.spec_token_ids)
+            ids.extend(seq.token_ids[start:end])
+            ids.extend(r.spec_token_ids)  # drafts to verify sit after the known tokens
+            end = start + r.num_new_tokens
             positions.extend(range(start, end))
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            row_req.extend([i] * s.num_new_tokens)
-            starts.append(starts[-1] + s.num_new_tokens)
+            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            row_req.extend([i] * r.num_new_tokens)
+            starts.append(starts[-1] + r.num_new_tokens)
             seq_lens.append(end)
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled]
+            tables.append(seq.block_ids)
+        max_blocks = max(len(t) for t in tables)
+        table = [t + [0] * (max_blocks - len(t)) for t in tables]
 
         def tensor(values):
             return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -67,73 +95,118 @@ class ModelRunner:
         return tensor(ids), pos, meta
 
     @torch.inference_mode()
-    def forward_hidden(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
-        """One forward over the step's batch (block copies first): final normed hidden states [T, hidden],
-        the rows of each request contiguous, in batch order (meta.query_start_loc)."""
-        if out.block_copies:
-            self._copy_blocks(out.block_copies)
-        input_ids, positions, meta = self._prepare(out)
-        compiled = self.compiled_decoder
+    def execute(self, msg: StepMessage) -> StepResult | None:
+        """One step: the message's state changes and block copies, then the forward. Returns the result on
+        the last pipeline stage, None on the others."""
+        self.batch.apply(msg)
+        if msg.block_copies:
+            self._copy_blocks(msg.block_copies)
+        last = self.pipeline is None or self.pipeline.is_last
+        if not msg.rows:
+            return StepResult() if last else None
+        parts: list[StepResult] = []
+        sends = []
+        for first, rows in self._micro_batches(msg.rows):
+            input_ids, positions, meta = self._prepare(rows)
+            hidden = self._forward(input_ids, positions, meta, sends)
+            if last:
+                parts.append(self._outputs(msg.want, rows, first, hidden, meta))
+        for work in sends:  # the next stage has received them before this step returns
+            work.wait()
+        return _merge(parts) if last else None
+
+    def _micro_batches(self, rows: list[ScheduledRows]) -> list[tuple[int, list[ScheduledRows]]]:
+        """(index of the first row, rows): the whole step, or under pipeline parallelism up to
+        `pipeline.micro_batches` groups of whole sequences with about equal tokens, so that stage s works on
+        group g + 1 while stage s + 1 works on group g."""
+        n = 1 if self.pipeline is None else min(self.pipeline.micro_batches, len(rows))
+        if n <= 1:
+            return [(0, rows)]
+        total, groups, start, acc = sum(r.num_new_tokens for r in rows), [], 0, 0
+        for i, r in enumerate(rows):
+            acc += r.num_new_tokens
+            # close a group once it holds its share, leaving at least one sequence for each group after it
+            left = n - 1 - len(groups)  # groups still to open after this one
+            if left > 0 and acc * n >= total * (len(groups) + 1) and len(rows) - i - 1 >= left:
+                groups.append((start, rows[start:i + 1]))
+                start = i + 1
+        groups.append((start, rows[start:]))
+        return [g for g in groups if g[1]]
+
+    def _forward(self, input_ids, positions, meta, sends) -> torch.Tensor | None:
+        compiled, pipe = self.compiled_decoder, self.pipeline
         if compiled is not None and compiled.serves(input_ids.shape[0], meta.query_start_loc):
-            return compiled.forward(input_ids, positions, self.kv_caches, meta), meta
-        return self.model(input_ids, positions, self.kv_caches, meta, self.backend), meta
+            return compiled.forward(input_ids, positions, self.kv_caches, meta)
+        if pipe is None:
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        intermediate = None
+        if not pipe.is_first:
+            t0 = time.perf_counter()
+            x = pipe.recv_hidden(input_ids.shape[0], self.model.config.hidden_size, self._dtype())
+            self.pipeline_wait_seconds += time.perf_counter() - t0
+            intermediate = (x[0], x[1])
+        out = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
+        if pipe.is_last:
+            return out
+        sends.append(pipe.send_hidden(torch.stack(out)))
+        return None
 
-    @torch.inference_mode()
-    def forward_logits(self, out: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
-        """One forward over the step's batch; logits [rows, vocab] for the requests that sample, in
-        batch order, 1 + len(spec_token_ids) rows each (the positions that score drafts, then the next).
-        Requests asking for prompt logprobs get them appended to `request.prompt_logprob_rows`."""
-        if out.is_empty:
-            if out.block_copies:
-                self._copy_blocks(out.block_copies)
-            return [], torch.empty(0)
-        hidden, meta = self.forward_hidden(out)
-        if any(_wants_prompt_logprobs(s.request) for s in out.scheduled):
-            self._prompt_logprobs(out, hidden, meta)
-        sampling = [(i, s) for i, s in enumerate(out.scheduled) if s.samples]
-        rows = [r for i, s in sampling
-                for r in range(meta.query_start_loc[i + 1] - 1 - len(s.spec_token_ids), meta.query_start_loc[i + 1])]
-        if not rows:
-            return [], torch.empty(0)
-        hidden = hidden.index_select(0, torch.tensor(rows, device=self.device))
-        return [s for _, s in sampling], self.model.compute_logits(hidden)
+    def _dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata) -> None:
+    def _outputs(self, want: str, rows: list[ScheduledRows], first: int, hidden: torch.Tensor,
+                 meta: AttentionMetadata) -> StepResult:
+        if want == "hidden":
+            return StepResult(hidden=hidden)
+        if want == "all_logits":
+            return StepResult(hidden=self.model.compute_logits(hidden))
+        result = StepResult()
+        if any(r.prompt_logprobs is not None for r in rows):
+            result.prompt_logprobs = self._prompt_logprobs(rows, first, hidden, meta)
+        starts = meta.query_start_loc
+        keep = [r for i, row in enumerate(rows) if row.samples
+                for r in range(starts[i + 1] - 1 - len(row.spec_token_ids), starts[i + 1])]
+        result.sample_rows = [first + i for i, row in enumerate(rows) if row.samples]
+        if keep:
+            result.logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(keep, device=self.device)))
+        return result
+
+    def _prompt_logprobs(self, rows: list[ScheduledRows], first_row: int, hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> dict[int, list[PromptLogprobRow]]:
         """Logits of this chunk's prompt positions, in the same forward as the prefill. Position p scores
         prompt token p + 1; the last prompt position scores the first output token (the sampler's row).
-        Rows already computed are skipped, so a request recomputed after preemption never gets them twice;
-        once a request has output tokens its rows are complete (forks and beams start past the prompt)."""
-        wanted: list[tuple[Request, int, int]] = []  # (request, first position, end position)
-        rows: list[int] = []
-        for i, s in enumerate(out.scheduled):
-            req = s.request
-            if not _wants_prompt_logprobs(req) or req.output_token_ids:
+        Rows the engine has already are skipped (its count comes in the message), so a request recomputed
+        after preemption never gets them twice."""
+        wanted: list[tuple[int, int, int, int]] = []  # (row index, first position, end position, top-k)
+        index: list[int] = []
+        for i, r in enumerate(rows):
+            if r.prompt_logprobs is None:
                 continue
-            start = req.num_computed_tokens
-            first = len(req.prompt_logprob_rows)
-            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            seq = self.batch.seqs[r.seq_id]
+            start, (first, k) = r.num_computed_tokens, r.prompt_logprobs
+            end = min(start + r.num_new_tokens, seq.num_prompt_tokens - 1)
             if first < start or first >= end:  # nothing new, or KV came from elsewhere (no logits for it)
                 continue
-            wanted.append((req, first, end))
-            rows.extend(range(meta.query_start_loc[i] + first - start, meta.query_start_loc[i] + end - start))
-        if not rows:
-            return
-        index = torch.tensor(rows, device=self.device)
-        next_ids = torch.tensor([t for req, first, end in wanted for t in req.prompt_token_ids[first + 1:end + 1]],
+            wanted.append((i, first, end, k))
+            index.extend(range(meta.query_start_loc[i] + first - start, meta.query_start_loc[i] + end - start))
+        if not index:
+            return {}
+        idx = torch.tensor(index, device=self.device)
+        next_ids = torch.tensor([t for i, first, end, _ in wanted
+                                 for t in self.batch.seqs[rows[i].seq_id].token_ids[first + 1:end + 1]],
                                 device=self.device)
-        top_n = [req.params.prompt_logprobs for req, _, _ in wanted]
+        k = max(w[3] for w in wanted)
         results: list[PromptLogprobRow] = []
-        k = max(top_n)
-        for lo in range(0, len(rows), _PROMPT_LOGITS_ROWS):  # bounds the [rows, vocab] float32 buffers
+        for lo in range(0, len(index), _PROMPT_LOGITS_ROWS):  # bounds the [rows, vocab] float32 buffers
             sl = slice(lo, lo + _PROMPT_LOGITS_ROWS)
-            logits = self.model.compute_logits(hidden.index_select(0, index[sl]))
+            logits = self.model.compute_logits(hidden.index_select(0, idx[sl]))
             results.extend(prompt_logprob_rows(logits, next_ids[sl], k))
-        pos = 0
-        for (req, first, end), n in zip(wanted, top_n, strict=True):
-            req.prompt_logprob_rows.extend(
-                r if n == k else r._replace(top_ids=r.top_ids[:n], top_logprobs=r.top_logprobs[:n])
-                for r in results[pos:pos + end - first])
+        out, pos = {}, 0
+        for i, first, end, n in wanted:
+            out[first_row + i] = [r if n == k else r._replace(top_ids=r.top_ids[:n], top_logprobs=r.top_logprobs[:n])
+                                  for r in results[pos:pos + end - first]]
             pos += end - first
+        return out
 
     def _copy_blocks(self, copies: BlockCopies) -> None:
         """Swap out, swap in, then copy-on-write, all before the forward writes any new KV."""
@@ -152,6 +225,18 @@ class ModelRunner:
                 cache[:, dst] = cache[:, src]
 
 
-def _wants_prompt_logprobs(req) -> bool:
-    # A draft model's runner sees its own sequence objects, never the user's Request: no prompt logprobs.
-    return isinstance(req, Request) and req.params.prompt_logprobs is not None
+def _merge(parts: list[StepResult]) -> StepResult:
+    if len(parts) == 1:
+        return parts[0]
+    out = StepResult()
+    logits, hidden = [], []
+    for p in parts:
+        out.sample_rows.extend(p.sample_rows)
+        out.prompt_logprobs.update(p.prompt_logprobs)
+        if p.logits is not None:
+            logits.append(p.logits)
+        if p.hidden is not None:
+            hidden.append(p.hidden)
+    out.logits = torch.cat(logits) if logits else None
+    out.hidden = torch.cat(hidden) if hidden else None
+    return out

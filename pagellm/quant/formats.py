@@ -77,6 +77,21 @@ class PackedWeight:
         return replace(self, qs=self.qs[index].contiguous(), d=self.d[index].contiguous(),
                        m=None if self.m is None else self.m[index].contiguous())
 
+    def columns(self, start: int, end: int) -> PackedWeight:
+        """Input columns start:end (a tensor-parallel row split), cut at 32-weight block boundaries: the
+        blocks are copied, not requantized."""
+        k = self.in_features
+        if start % BLOCK or (end % BLOCK and end != k):
+            raise ValueError(f"a {self.kind} matrix splits only at {BLOCK}-column block boundaries; columns "
+                             f"{start}:{end} of {k} do not")
+        if self.perm is not None:
+            raise ValueError("a GPTQ act-order (desc_act) matrix keeps its columns in group order and cannot be "
+                             "split across tensor-parallel ranks by input column")
+        g, per_byte = group_size(self.kind), 2 if self.kind in NIBBLE_KINDS else 1
+        return replace(self, qs=self.qs[:, start // per_byte:end // per_byte].contiguous(),
+                       d=self.d[:, start // g:end // g].contiguous(),
+                       m=None if self.m is None else self.m[:, start // g:end // g].contiguous())
+
     @staticmethod
     def cat(parts: list[PackedWeight]) -> PackedWeight | None:
         """Stack along output rows (fused q/k/v, gate/up); None when the parts' formats differ."""

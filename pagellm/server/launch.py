@@ -104,6 +104,7 @@ def is_loopback(host: str) -> bool:
 def serve(ns: argparse.Namespace) -> int:
     from pagellm.engine.async_engine import AsyncLLMEngine
     from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.executor.multiproc import run_headless
     from pagellm.server.app import build_app
     from pagellm.server.chat_templates import load_chat_template
     from pagellm.server.http_server import GracefulServer, uvicorn_config
@@ -121,7 +122,10 @@ def serve(ns: argparse.Namespace) -> int:
     # Flags checked before the model loads, so a typo fails in a second.
     chat = ChatSettings(load_chat_template(ns.chat_template) if ns.chat_template else None,
                         ns.enable_auto_tool_choice, ns.tool_call_parser, ns.trust_request_chat_template)
-    engine = LLMEngine(EngineArgs.from_cli_args(ns))
+    args = EngineArgs.from_cli_args(ns)
+    if args.node_rank > 0:  # a worker node of a multi-node deployment: no engine, no HTTP
+        return run_headless((args.master_addr, args.master_port), args.nnodes, args.node_rank)
+    engine = LLMEngine(args)
     names = ns.served_model_name or [default_model_name(ns.model, engine.model_path)]
     async_engine = AsyncLLMEngine(engine, max_queue_len=ns.max_queue_len)
     async_engine.log_requests = ns.log_requests
@@ -133,5 +137,8 @@ def serve(ns: argparse.Namespace) -> int:
     app.state.ctx.return_tokens_as_token_ids = ns.return_tokens_as_token_ids
     config = uvicorn_config(app, ns.host, ns.port, ns.uvicorn_log_level)
     server = GracefulServer(config, async_engine, names[0], ns.shutdown_timeout)
-    server.run()
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # worker processes, if any
     return server.exit_code

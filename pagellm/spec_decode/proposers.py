@@ -74,10 +74,10 @@ class DraftModelProposer(Proposer):
     """A smaller model with the same vocabulary drafts k tokens autoregressively, in its own paged KV
     cache. Its KV for accepted tokens is kept; for rejected ones it is rolled back."""
 
-    def __init__(self, runner, sampler: Sampler, kv_cache: KVCacheManager, num_speculative_tokens: int,
+    def __init__(self, executor, sampler: Sampler, kv_cache: KVCacheManager, num_speculative_tokens: int,
                  max_model_len: int):
         super().__init__(num_speculative_tokens, max_model_len)
-        self.runner = runner
+        self.executor = executor  # in this process: pagellm.executor.UniprocExecutor around the draft's runner
         self.sampler = sampler  # the target's logits processing, applied to the draft's logits too
         self.kv = kv_cache
         self.seqs: dict[str, _DraftSeq] = {}
@@ -108,7 +108,7 @@ class DraftModelProposer(Proposer):
                 scheduled.append(ScheduledRequest(seq, n, self.kv.block_table(seq.request_id)))
             if not scheduled:
                 break
-            done, logits = self.runner.forward_logits(SchedulerOutput(scheduled))
+            done, logits = self.executor.execute(SchedulerOutput(scheduled))
             by_id = {req.request_id: req for req, _ in batch}
             for j, s in enumerate(done):
                 req, seq = by_id[s.request.request_id], s.request
@@ -135,12 +135,14 @@ class DraftModelProposer(Proposer):
             gen = None
             if req.params.seed is not None:
                 seed = req.params.seed + 1 if req.params.seed + 1 < 2**64 else 0  # the largest seed wraps
-                gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+                gen = torch.Generator(device=self.executor.runner.device).manual_seed(seed)
             seq = self.seqs[req.request_id] = _DraftSeq(req.request_id, [], generator=gen)
         common = 0
         limit = min(len(seq.all_token_ids), req.num_tokens)
         while common < limit and seq.all_token_ids[common] == req.all_token_ids[common]:
             common += 1
+        if common < len(seq.all_token_ids):  # its own drafts were rejected: the workers' copy is stale
+            self.executor.forget(req.request_id)
         seq.all_token_ids = list(req.all_token_ids)
         seq.num_computed_tokens = min(seq.num_computed_tokens, common)
         return seq
@@ -156,3 +158,4 @@ class DraftModelProposer(Proposer):
     def _drop(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id)
         self.kv.free(seq)
+        self.executor.forget(request_id)

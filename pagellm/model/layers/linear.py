@@ -24,13 +24,44 @@ class Linear(nn.Module):
         self.packed: PackedWeight | None = None
         self.weight_bf16: torch.Tensor | None = None  # [out, in], where the platform chose bf16 GEMMs
         self._packed_shards: dict[int, PackedWeight] = {}
+        self.reduce = None  # row-parallel (tensor parallelism): the all-reduce that sums the ranks' parts
 
     def configure(self, choices: OpChoices) -> None:
         """Before loading: the kernels this layer's method may use (the platform's choice)."""
         self.quant_method = UnquantizedLinearMethod(choices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        y = self.quant_method.apply(self, x)
+        return y if self.reduce is None else self.reduce(y)
+
+    def shard(self, rows: torch.Tensor | None = None, columns: tuple[int, int] | None = None, rank: int = 0,
+              reduce=None) -> None:
+        """Keep output `rows` (column-parallel), or input `columns` start:end (row-parallel: the ranks'
+        products are partial sums, added by `reduce`; only rank 0 adds the bias). Every copy of the weight
+        is cut: float [in, out], bfloat16 [out, in], packed blocks."""
+        wt, bf, packed = self.weight_t, self.weight_bf16, self.packed
+        if rows is not None:
+            if wt.numel():
+                wt.data = wt.data[:, rows].contiguous()
+            if self.bias is not None:
+                self.bias.data = self.bias.data[rows].contiguous()
+            self.weight_bf16 = None if bf is None else bf[rows].contiguous()
+            self.packed = None if packed is None else packed.rows(rows)
+            self.out_features = len(rows)
+        else:
+            a, b = columns
+            if wt.numel():
+                wt.data = wt.data[a:b].contiguous()
+            if self.bias is not None and rank != 0:
+                self.bias = None
+            self.weight_bf16 = None if bf is None else bf[:, a:b].contiguous()
+            self.packed = None if packed is None else packed.columns(a, b)
+            self.in_features, self.reduce = b - a, reduce
+
+    def drop_weights(self) -> None:
+        """Another pipeline stage computes with this layer: free every copy."""
+        self.weight_t.data = torch.empty(0, 0)
+        self.weight_bf16 = self.packed = None
 
     @property
     def int8_activations(self) -> bool:

@@ -84,6 +84,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layer_range = (0, cfg.num_hidden_layers)  # the layers this rank runs (pipeline stages: a slice)
+        self.parallel = None  # pagellm.model.parallel.ParallelInfo once the model is split across ranks
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied checkpoints get a transposed copy of the embedding here (load_weights) unless the head
         # keeps packed blocks: the lookup wants rows of [vocab, hidden], the output layer [hidden, vocab].
@@ -92,18 +94,25 @@ class LlamaForCausalLM(nn.Module):
                                       cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """Returns final hidden states [T, hidden] for every input row."""
-        x, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                meta: AttentionMetadata, backend: AttentionBackend,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Returns final hidden states [T, hidden] for every input row. A pipeline stage runs only its
+        layers (`layer_range`, kv_caches holds theirs): after the first stage it starts from the previous
+        stage's (hidden, residual), and before the last it returns them."""
+        start, end = self.layer_range
+        x, residual = (self.embed(input_ids), None) if intermediate is None else intermediate
+        for layer, kv_cache in zip(self.layers[start:end], kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
+        if end < self.config.num_hidden_layers:
+            return x, residual
         return self.norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.parallel is None else self.parallel.gather_vocab(logits, self.config.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

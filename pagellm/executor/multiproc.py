@@ -1,0 +1,221 @@
+"""T x P worker processes joined by torch.distributed (gloo): the engine broadcasts each step's message and
+receives the result from the last stage.
+
+Start-up: the engine hosts the TCPStore and puts the `WorkerSpec` in it; it spawns this node's workers
+(all of them on one node; with --nnodes, `run_headless` spawns the others' on theirs) and waits until each
+has loaded its share (or one reports an error, or dies). Failure: a watchdog thread polls the local
+workers; when one dies, it kills the rest, so whatever the engine waits on fails at once, and the engine's
+next or current step raises `WorkerFailedError`. Shutdown (or the engine's exit) stops every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+from torch.distributed import TCPStore
+
+from pagellm.core.step_message import StepMessage
+from pagellm.distributed import GlooGroup, free_port
+from pagellm.executor.base import Executor
+from pagellm.executor.errors import WorkerFailedError
+from pagellm.executor.worker import SPEC_KEY, STATS, STOP, WorkerSpec
+from pagellm.model.runner import StepResult
+
+logger = logging.getLogger("pagellm")
+
+READY_TIMEOUT_S = 900.0  # loading a big model from a slow disk, on every rank at once
+
+
+def node_ranks(world_size: int, nnodes: int, node_rank: int) -> list[int]:
+    """The worker ranks a node hosts: workers spread evenly over the nodes, in rank order."""
+    workers = world_size - 1
+    if nnodes < 1 or workers % nnodes:
+        raise ValueError(f"{workers} workers (tensor x pipeline parallel size) cannot be spread evenly over "
+                         f"{nnodes} nodes")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node rank must be in [0, {nnodes}), got {node_rank}")
+    k = workers // nnodes
+    return list(range(1 + node_rank * k, 1 + (node_rank + 1) * k))
+
+
+class WorkerProcess:
+    """A worker started as `python -m pagellm.executor` (a fresh interpreter, as multiprocessing's
+    spawn, without re-importing the caller's __main__: scripts need no `if __name__ == "__main__"` guard)."""
+
+    def __init__(self, rank: int, master_addr: str, master_port: int, local_ranks: int):
+        self.name = f"pagellm worker rank {rank}"
+        self.popen = subprocess.Popen([sys.executable, "-m", "pagellm.executor", str(rank), master_addr,
+                                       str(master_port), str(local_ranks)], stdin=subprocess.DEVNULL)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+
+def spawn_workers(ranks: list[int], master_addr: str, master_port: int) -> list[WorkerProcess]:
+    return [WorkerProcess(rank, master_addr, master_port, len(ranks)) for rank in ranks]
+
+
+def stop_processes(procs: list, grace_s: float = 5.0) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
+class MultiprocExecutor(Executor):
+    name = "mp"
+
+    def __init__(self, spec: WorkerSpec, nnodes: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None):
+        super().__init__(spec.args.block_size)
+        self.spec = spec
+        self._closed = False
+        port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
+        self.store = TCPStore(master_addr, port, None, True, datetime.timedelta(seconds=READY_TIMEOUT_S),
+                              wait_for_workers=False)
+        self.store.set(SPEC_KEY, pickle.dumps(spec))
+        self.procs = spawn_workers(node_ranks(spec.world_size, nnodes, 0), master_addr, port)
+        weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown() still stops its workers
+        try:
+            self.weights_bytes = self._wait_ready()
+            self.world = GlooGroup(self.store, "world", 0, spec.world_size)
+        except BaseException:
+            self._kill_all()
+            raise
+        self._watchdog = threading.Thread(target=self._watch, name="pagellm-worker-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _wait_ready(self) -> list[int]:
+        """Each worker's weight bytes once every worker has loaded; a worker's error, death or the timeout
+        raises."""
+        ranks = range(1, self.spec.world_size)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            error = self._worker_error(0.0)
+            if error:
+                raise WorkerFailedError(error)
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead:
+                raise WorkerFailedError(f"{dead[0].name} exited with code {dead[0].exitcode} while starting")
+            if all(self.store.check([f"ready/{r}"]) for r in ranks):
+                return [int(self.store.get(f"ready/{r}")) for r in ranks]
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"workers not ready after {READY_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    def _watch(self) -> None:
+        while not self._closed:
+            dead = next((p for p in self.procs if p.exitcode is not None), None)
+            if dead is not None and not self._closed:
+                self.error = self.error or self._worker_error(0.0) or f"{dead.name} exited with code {dead.exitcode}"
+                logger.error("%s: stopping every rank", self.error)
+                self._kill_all()  # whatever the engine waits on now fails at once
+                if self.on_failure is not None:
+                    self.on_failure()
+                return
+            time.sleep(0.1)
+
+    def _kill_all(self) -> None:
+        _kill(self.procs)
+
+    def run(self, msg: StepMessage) -> StepResult:
+        return self._call(msg, [self.spec.result_rank])[0]
+
+    def _call(self, msg, reply_from: list[int]) -> list:
+        if self.error is not None or self._closed:
+            raise WorkerFailedError(self.error or "the workers were shut down")
+        try:
+            self.world.broadcast_object(msg)
+            return [self.world.recv_object(r) for r in reply_from]
+        except Exception as e:  # a rank died under us: gloo reports the closed connection
+            self.error = self.error or self._worker_error(2.0) or (
+                f"lost a worker: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            self._fail()
+            raise WorkerFailedError(self.error) from None
+
+    def _worker_error(self, wait_s: float) -> str | None:
+        """The first reason a worker left in the store (its step raised), waiting briefly for it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.store.check(["error/1"]):
+                return self.store.get("error/1").decode()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def _fail(self) -> None:
+        self._closed = True
+        self._kill_all()
+
+    def stats(self) -> list[dict]:
+        """Each worker's busy seconds and time spent waiting on the previous pipeline stage."""
+        return self._call(STATS, list(range(1, self.spec.world_size)))
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.world.broadcast_object(STOP)
+        except Exception:
+            pass
+        stop_processes(self.procs)
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(2.0)
+
+
+def run_headless(spec_source: tuple[str, int], nnodes: int, node_rank: int) -> int:
+    """A node other than 0: spawn its workers (the engine on node 0 hosts the store and the spec), wait for
+    them, return the exit status (0 when the engine stopped them)."""
+    addr, port = spec_source
+    store = TCPStore(addr, port, None, False, datetime.timedelta(seconds=READY_TIMEOUT_S))
+    spec: WorkerSpec = pickle.loads(store.get(SPEC_KEY))
+    procs = spawn_workers(node_ranks(spec.world_size, nnodes, node_rank), addr, port)
+    try:
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        stop_processes(procs, grace_s=2.0)
+    return max((p.exitcode or 0) if p.exitcode is not None and p.exitcode >= 0 else 1 for p in procs)
+
+
+def start_workers(args, model_path: str, dtype, kv_dtype, num_blocks: int, num_host_blocks: int) -> MultiprocExecutor:
+    """The engine's executor for args.executor_backend "mp" (or "ray": the same workers, placed by Ray)."""
+    spec = WorkerSpec(args, model_path, dtype, kv_dtype, num_blocks, num_host_blocks, args.tensor_parallel_size,
+                      args.pipeline_parallel_size, args.num_threads)
+    if args.executor_backend == "ray":
+        from pagellm.executor.ray_workers import RayExecutor
+
+        return RayExecutor(spec, args.master_addr, args.master_port)
+    return MultiprocExecutor(spec, args.nnodes, args.master_addr, args.master_port)

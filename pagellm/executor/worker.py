@@ -1,0 +1,141 @@
+"""A tensor/pipeline-parallel worker process: load the model, keep this rank's share, then run every step
+message the engine broadcasts until it says stop (or goes away).
+
+World ranks: 0 is the engine (it schedules and samples, holds no weights); workers are 1..T x P, worker
+w = 1 + pp_rank * T + tp_rank. Rank 1 + (P - 1) * T (tensor rank 0 of the last stage) returns each step's
+result. A worker whose step raises leaves why in the store and exits; its peers then see their collectives
+fail and do the same, and the engine, whose receive fails, reads the first reason there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import TCPStore
+
+from pagellm.config import EngineArgs
+from pagellm.distributed import GlooGroup, PipelineLink
+from pagellm.model.attention import get_attention_backend
+from pagellm.model.loader import load_config
+from pagellm.model.loader.model_loader import get_model, model_weight_bytes
+from pagellm.model.parallel import ParallelInfo, shard_model
+from pagellm.model.runner import ModelRunner
+from pagellm.platforms import get_platform
+
+logger = logging.getLogger("pagellm")
+
+SPEC_KEY = "pagellm/spec"
+ERROR_COUNT = "pagellm/errors"
+STOP = "stop"
+STATS = "stats"
+CONNECT_TIMEOUT = datetime.timedelta(seconds=600)
+
+
+@dataclass
+class WorkerSpec:
+    """What every worker needs to build its share, set in the store by the engine (remote nodes read it there)."""
+
+    args: EngineArgs
+    model_path: str
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_blocks: int
+    num_host_blocks: int
+    tp: int
+    pp: int
+    threads_per_rank: int | None  # None: the node's cores divided among its ranks
+    micro_batches: int = 2
+
+    @property
+    def world_size(self) -> int:
+        return 1 + self.tp * self.pp
+
+    @property
+    def result_rank(self) -> int:
+        return 1 + (self.pp - 1) * self.tp
+
+
+def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int) -> None:
+    """A worker process's life (started by pagellm.executor.multiproc.WorkerProcess)."""
+    _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s pagellm rank {rank} %(levelname)s %(message)s")
+    store = TCPStore(master_addr, master_port, None, False, CONNECT_TIMEOUT)
+    spec: WorkerSpec = pickle.loads(store.get(SPEC_KEY))
+    try:
+        runner, info = _build(spec, rank, local_ranks)
+    except Exception as e:  # a clear line for the engine, then out
+        store.set(f"error/{store.add(ERROR_COUNT, 1)}", f"worker rank {rank} failed to start: {type(e).__name__}: {e}")
+        os._exit(1)
+    weights = model_weight_bytes(runner.model)
+    store.set(f"ready/{rank}", str(weights))
+    world = GlooGroup(store, "world", rank, spec.world_size)
+    info.group = GlooGroup(store, f"tp{info.pp_rank}", info.tp_rank, spec.tp) if spec.tp > 1 else None
+    if spec.pp > 1:
+        runner.pipeline = PipelineLink(GlooGroup(store, f"pp{info.tp_rank}", info.pp_rank, spec.pp), spec.micro_batches)
+    _serve(store, world, runner, rank, spec)
+
+
+def _build(spec: WorkerSpec, rank: int, local_ranks: int) -> tuple[ModelRunner, ParallelInfo]:
+    args = spec.args
+    platform = get_platform(args.device)
+    platform.check_available()
+    cores = len(os.sched_getaffinity(0))
+    platform.set_num_threads(spec.threads_per_rank or max(1, cores // local_ranks))
+    torch.manual_seed(args.seed)
+    info = ParallelInfo(tp_rank=(rank - 1) % spec.tp, tp_size=spec.tp, pp_rank=(rank - 1) // spec.tp, pp_size=spec.pp)
+    device = torch.device(args.device)
+    model = get_model(spec.model_path, load_config(spec.model_path), platform, spec.dtype, device,
+                      args.int8_activations, args.packed_weights_only, auto_dtype=args.dtype == "auto",
+                      quantization=args.quantization, quantization_group_size=args.quantization_group_size)
+    shard_model(model, info)
+    platform.release_free_memory()  # the whole model was loaded; this rank keeps its share
+    backend = get_attention_backend(args.attention_backend, platform, spec.kv_dtype, spec.dtype)
+    runner = ModelRunner(model, spec.num_blocks, args.block_size, spec.kv_dtype, device, backend, platform,
+                         num_host_blocks=spec.num_host_blocks)
+    return runner, info
+
+
+def _serve(store: TCPStore, world: GlooGroup, runner: ModelRunner, rank: int, spec: WorkerSpec) -> None:
+    busy = 0.0
+    while True:
+        try:
+            msg = world.broadcast_object(None)
+        except Exception:  # the engine is gone
+            os._exit(0)
+        if msg == STOP:
+            os._exit(0)
+        if msg == STATS:
+            world.send_object({"rank": rank, "busy_seconds": busy,
+                               "pipeline_wait_seconds": runner.pipeline_wait_seconds}, 0)
+            continue
+        try:
+            t0 = time.perf_counter()
+            result = runner.execute(msg)
+            busy += time.perf_counter() - t0
+        except Exception as e:  # the engine reads why from the store once this rank is gone
+            detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+            print(f"pagellm worker rank {rank}: step failed\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):  # numbered: the first is the cause, later ones its echoes
+                store.set(f"error/{store.add(ERROR_COUNT, 1)}", f"worker rank {rank}: {detail}")
+            os._exit(1)
+        if rank == spec.result_rank:
+            world.send_object(result, 0)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so no worker outlives a killed engine."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
