@@ -94,3 +94,29 @@ def test_beam_search_in_a_mixed_batch_and_under_preemption(tiny, smollm_gguf_pat
 def test_beam_params_are_validated():
     with pytest.raises(ValueError, match="^n must be <= beam_width"):
         SamplingParams(use_beam_search=True, beam_width=2, n=3)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_beams_waiting_on_a_preempted_sibling_do_not_deadlock(tiny, smollm_gguf_path, mode):
+    """A cache that holds one beam of the long prompt at a time: the beam that has its candidates waits for
+    its preempted sibling, which needs the blocks the first one holds. The scheduler sets the idle beam
+    aside (it used to wait forever), and the beams equal those of a cache big enough for both."""
+    path, _ = tiny
+    shared = list(range(40, 72))
+    prompts = [shared + [5, 6], shared + [7, 8, 9], list(range(100, 190)), [3, 4, 5, 3, 4, 5, 3, 4]]
+    params = SamplingParams(max_tokens=8, use_beam_search=True, beam_width=2, ignore_eos=True)
+    small = LLM(path, tokenizer=smollm_gguf_path, block_size=4, kv_cache_memory="80KiB", max_num_batched_tokens=32,
+                max_num_seqs=6, preemption_mode=mode, swap_space="1MiB")
+    engine = small.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests() and engine.scheduler.stats.num_preemptions > 0
+    big = LLM(path, tokenizer=smollm_gguf_path, block_size=4, kv_cache_memory="4MiB")
+    got = small.generate(prompts, params, use_tqdm=False)
+    ref = big.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
+    assert engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks  # nothing leaked

@@ -41,7 +41,8 @@ def test_tiny_model_matches_one_rank_exactly(arch, tp, pp, tiny_hf_model, smollm
     split, _ = _run(path, smollm_gguf_path, PROMPTS, GREEDY, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     for a, b in zip(one, split, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        diff = max(abs(x - y) for x, y in zip(_chosen_logprobs(a.outputs[0]), _chosen_logprobs(b.outputs[0])))
+        diff = max(abs(x - y) for x, y in zip(_chosen_logprobs(a.outputs[0]), _chosen_logprobs(b.outputs[0]),
+                                                 strict=True))
         assert diff < 1e-4, diff
 
 
@@ -119,3 +120,16 @@ def test_embeddings_and_scoring_under_tp2_match_one_rank(tiny_hf_model, smollm_g
         assert (la[0] - lb[0]).abs().max() < 1e-4
     finally:
         two.shutdown()
+
+
+def test_ray_backend_matches_one_rank(tiny_hf_model, smollm_gguf_path):
+    """The same workers placed by Ray (pip install pagellm[ray]); skipped where Ray is not installed."""
+    ray = pytest.importorskip("ray")
+    path = tiny_hf_model("llama")
+    one, _ = _run(path, smollm_gguf_path, PROMPTS, GREEDY)
+    try:
+        split, _ = _run(path, smollm_gguf_path, PROMPTS, GREEDY, tensor_parallel_size=2,
+                        distributed_executor_backend="ray")
+    finally:
+        ray.shutdown()
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in one]

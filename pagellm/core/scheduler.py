@@ -162,8 +162,17 @@ class Scheduler:
 
         # A step that had to preempt is short of memory: admitting more would only thrash.
         num_seqs = sum(r.num_seqs for r in self.running)  # siblings yet to fork hold their seat
+        passed = 0
         while self.waiting and budget > 0 and not out.preempted:
             req = self.waiting[0]
+            if req.num_tokens == req.num_computed_tokens:
+                # a preempted beam that has its candidates: it never needs to run (its group goes on with
+                # them), so it lets the queue pass instead of blocking it
+                if passed >= len(self.waiting):
+                    break
+                self.waiting.rotate(-1)
+                passed += 1
+                continue
             if num_seqs + req.num_seqs > self.config.max_num_seqs:
                 break
             if self.kv_cache.is_swapped(req):  # its KV comes back from host memory
@@ -188,10 +197,27 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv_cache.block_table(req.request_id)))
             budget -= num_new
 
+        if not out.scheduled and self.waiting:
+            self._set_aside_idle(out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         self.stats.num_batched_tokens += out.num_batched_tokens
         out.block_copies = self.kv_cache.take_copies()
         return out
+
+    def _set_aside_idle(self, out: SchedulerOutput) -> None:
+        """Nothing could run: the running requests owe no token (beams waiting for a sibling's candidates)
+        while the waiting head, often that sibling, lacks the blocks they hold. The latest idle one is
+        preempted to the back of the queue, so the head comes in next step instead of the two waiting on
+        each other forever."""
+        idle = [r for r in self.running if r.num_tokens == r.num_computed_tokens]
+        if not idle:
+            return
+        victim = idle[-1]
+        self.running.remove(victim)
+        self._preempt(victim)
+        self.waiting.remove(victim)
+        self.waiting.append(victim)
+        out.preempted.append(victim)
 
     def _preempt(self, req: Request) -> None:
         req.clear_spec()

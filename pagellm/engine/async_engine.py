@@ -274,6 +274,7 @@ class AsyncLLMEngine:
             eng.abort_request(list(aborts))
             self._unscheduled -= aborts
         self.jobs.run(eng)
+        eng.executor.check_health()  # a worker died while idle: raise here, the loop then fails and stops
         start = time.time()
         batched_before = eng.scheduler.stats.num_batched_tokens
         outputs = eng.step() if eng.has_unfinished_requests() else []

@@ -93,11 +93,12 @@ class MultiprocExecutor(Executor):
         super().__init__(spec.args.block_size)
         self.spec = spec
         self._closed = False
+        self._busy = threading.Lock()  # held while a step talks to the workers
         port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
         self.store = TCPStore(master_addr, port, None, True, datetime.timedelta(seconds=READY_TIMEOUT_S),
                               wait_for_workers=False)
         self.store.set(SPEC_KEY, pickle.dumps(spec))
-        self.procs = spawn_workers(node_ranks(spec.world_size, nnodes, 0), master_addr, port)
+        self.procs = self._launch(node_ranks(spec.world_size, nnodes, 0), master_addr, port)
         weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown() still stops its workers
         try:
             self.weights_bytes = self._wait_ready()
@@ -107,6 +108,10 @@ class MultiprocExecutor(Executor):
             raise
         self._watchdog = threading.Thread(target=self._watch, name="pagellm-worker-watchdog", daemon=True)
         self._watchdog.start()
+
+    def _launch(self, ranks: list[int], master_addr: str, master_port: int) -> list:
+        """Start the workers; each handle has name, exitcode, is_alive(), kill(), join(timeout)."""
+        return spawn_workers(ranks, master_addr, master_port)
 
     def _wait_ready(self) -> list[int]:
         """Each worker's weight bytes once every worker has loaded; a worker's error, death or the timeout
@@ -133,6 +138,8 @@ class MultiprocExecutor(Executor):
                 self.error = self.error or self._worker_error(0.0) or f"{dead.name} exited with code {dead.exitcode}"
                 logger.error("%s: stopping every rank", self.error)
                 self._kill_all()  # whatever the engine waits on now fails at once
+                if not self._busy.locked():  # else the step waiting on the group fails and drops it
+                    self._abort_group()
                 if self.on_failure is not None:
                     self.on_failure()
                 return
@@ -148,8 +155,9 @@ class MultiprocExecutor(Executor):
         if self.error is not None or self._closed:
             raise WorkerFailedError(self.error or "the workers were shut down")
         try:
-            self.world.broadcast_object(msg)
-            return [self.world.recv_object(r) for r in reply_from]
+            with self._busy:
+                self.world.broadcast_object(msg)
+                return [self.world.recv_object(r) for r in reply_from]
         except Exception as e:  # a rank died under us: gloo reports the closed connection
             self.error = self.error or self._worker_error(2.0) or (
                 f"lost a worker: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -157,9 +165,14 @@ class MultiprocExecutor(Executor):
             raise WorkerFailedError(self.error) from None
 
     def _worker_error(self, wait_s: float) -> str | None:
-        """The first reason a worker left in the store (its step raised), waiting briefly for it."""
+        """Why the workers failed, waiting briefly for a reason to appear: a local rank killed by a signal
+        (it leaves no reason, and its peers' reasons, a closed connection, are echoes of it), else the
+        first reason a rank left in the store (its step raised)."""
         deadline = time.monotonic() + wait_s
         while True:
+            killed = next((p for p in self.procs if (p.exitcode or 0) < 0), None)
+            if killed is not None:
+                return f"{killed.name} was killed by signal {-killed.exitcode}"
             if self.store.check(["error/1"]):
                 return self.store.get("error/1").decode()
             if time.monotonic() > deadline:
@@ -169,6 +182,14 @@ class MultiprocExecutor(Executor):
     def _fail(self) -> None:
         self._closed = True
         self._kill_all()
+        self._abort_group()
+
+    def _abort_group(self) -> None:
+        """Drop the engine's side of the broken group now: destroyed at exit, gloo's threads abort."""
+        world, self.world = getattr(self, "world", None), None
+        if world is not None:
+            with contextlib.suppress(Exception):
+                world.pg.abort()
 
     def stats(self) -> list[dict]:
         """Each worker's busy seconds and time spent waiting on the previous pipeline stage."""
@@ -217,5 +238,5 @@ def start_workers(args, model_path: str, dtype, kv_dtype, num_blocks: int, num_h
     if args.executor_backend == "ray":
         from pagellm.executor.ray_workers import RayExecutor
 
-        return RayExecutor(spec, args.master_addr, args.master_port)
+        return RayExecutor(spec, 1, args.master_addr, args.master_port)
     return MultiprocExecutor(spec, args.nnodes, args.master_addr, args.master_port)

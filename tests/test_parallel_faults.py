@@ -1,0 +1,132 @@
+"""Worker processes that die or fail, and launches across "nodes" (two pagellm processes on 127.0.0.1):
+clear errors within seconds, no hang, no orphan process, no leaked shared-memory segment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from polling import wait_until
+from test_server import MODEL, Server
+from test_server_faults import children
+
+from pagellm import LLM, SamplingParams
+from pagellm.distributed import free_port
+from pagellm.executor.errors import WorkerFailedError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_hf_model):
+    return tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _gone(pids) -> bool:
+    return not any(os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split(")")[1][:3]
+                   for p in pids)
+
+
+def test_killing_a_worker_mid_generation_fails_the_engine_within_seconds(tiny_path, smollm_gguf_path):
+    shm = _shm()
+    llm = LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB", tensor_parallel_size=2)
+    pids = [p.popen.pid for p in llm.engine.executor.procs]
+    outcome: dict = {}
+
+    def generate():
+        try:
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
+            outcome["result"] = "finished"
+        except Exception as e:
+            outcome["result"] = e
+            outcome["at"] = time.monotonic()
+
+    t = threading.Thread(target=generate)
+    t.start()
+    wait_until(lambda: llm.engine.stats.generation_tokens > 8, what="generation under way")
+    killed = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    t.join(30)
+    assert not t.is_alive()
+    err = outcome["result"]
+    assert isinstance(err, WorkerFailedError), err
+    assert "rank 2" in str(err) and outcome["at"] - killed < 10, (str(err), outcome["at"] - killed)
+    wait_until(lambda: _gone(pids), timeout=10, what="every worker gone")
+    assert _shm() <= shm
+    with pytest.raises(WorkerFailedError):  # and the engine stays failed: no step pretends to work
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()
+
+
+def test_a_worker_that_fails_to_load_is_a_one_line_error(tiny_path, smollm_gguf_path):
+    """The engine process reads config.json, the tokenizer and the files' headers (a truncated file fails
+    there, before any worker starts); what only loading finds, here --quantization gptq on a float
+    checkpoint, fails in the workers and comes back as their reason."""
+    with pytest.raises(WorkerFailedError, match=r"worker rank \d failed to start: .*gptq"):
+        LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB", tensor_parallel_size=2,
+            quantization="gptq")
+    r = subprocess.run([sys.executable, "-m", "pagellm.cli", "generate", "--model", tiny_path, "--tokenizer",
+                        smollm_gguf_path, "-tp", "2", "-q", "gptq", "--prompt", "hi", "--kv-cache-memory", "16MiB"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("pagellm: error: worker rank"), r.stderr[-2000:]
+
+
+def test_two_node_launch_on_one_machine_serves_and_stops_cleanly(tiny_path, smollm_gguf_path, tmp_path):
+    """Node 1 runs headless workers for ranks 2 (its share of TP=2 x PP=1 over 2 nodes); node 0 runs the
+    engine, its own worker and the HTTP server. SIGTERM to node 0 stops both nodes."""
+    port = free_port()
+    common = ["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--kv-cache-memory", "16MiB", "-tp", "2",
+              "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    log1 = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen([sys.executable, "-m", "pagellm.cli", "serve", *common, "--node-rank", "1"],
+                             stdout=log1, stderr=subprocess.STDOUT)
+    try:
+        server = Server([*common, "--node-rank", "0", "--served-model-name", MODEL], tmp_path / "node0.log")
+        body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0.0}
+        got = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        ref = LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB").generate(
+            [[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+        assert got["choices"][0]["text"] == ref.outputs[0].text
+        workers = children(server.proc.pid) | children(node1.pid)
+        assert len(workers) == 2
+        server.stop()
+        assert server.proc.returncode == 0, server.output()[-2000:]
+        assert node1.wait(30) == 0
+        wait_until(lambda: _gone(workers), timeout=10, what="every worker gone")
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        log1.close()
+
+
+def test_a_dead_worker_makes_the_server_unhealthy_and_exit_nonzero(tiny_path, smollm_gguf_path, tmp_path):
+    server = Server(["--model", tiny_path, "--tokenizer", smollm_gguf_path, "--kv-cache-memory", "16MiB",
+                     "-pp", "2", "--served-model-name", MODEL], tmp_path / "server.log")
+    try:
+        assert httpx.get(server.url + "/health").status_code == 200
+        workers = children(server.proc.pid)
+        assert len(workers) == 2
+        killed = time.monotonic()
+        os.kill(sorted(workers)[0], signal.SIGKILL)  # while idle: nothing is waiting on it
+
+        def unhealthy():
+            try:
+                return httpx.get(server.url + "/health", timeout=2).status_code == 503
+            except httpx.HTTPError:
+                return server.proc.poll() is not None
+        wait_until(unhealthy, timeout=10, what="/health 503")
+        assert server.proc.wait(20) != 0 and time.monotonic() - killed < 30
+        wait_until(lambda: _gone(workers), timeout=10, what="every worker gone")
+    finally:
+        server.stop()
