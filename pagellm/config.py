@@ -222,6 +222,7 @@ class EngineArgs:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    shm_allreduce: bool = True  # tensor-parallel ranks on one host sum through shared memory, not gloo
 
     def __post_init__(self):
         if self.dtype not in COMPUTE_DTYPES:
@@ -377,6 +378,9 @@ class EngineArgs:
         g.add_argument("--master-addr", default=d.master_addr, help="node 0's address, reachable by every node")
         g.add_argument("--master-port", type=int, default=None,
                        help="node 0's rendezvous port (default: a free port; required with --nnodes > 1)")
+        g.add_argument("--shm-allreduce", action=argparse.BooleanOptionalAction, default=True,
+                       help="tensor-parallel ranks on one host all-reduce through shared memory (default); "
+                            "--no-shm-allreduce uses gloo")
         g.add_argument("--embedding-pooling", default=d.embedding_pooling, choices=["last", "mean"],
                        help="embeddings: the final (normed) hidden state of the last prompt token (default) or "
                             "the mean over all prompt tokens, L2-normalized")

@@ -55,6 +55,12 @@ RULES = [
      "sampling reads logits and scheduler data only"),
     (("pagellm.platforms",), ("pagellm.model", "pagellm.engine", "pagellm.quant", "pagellm.sample"),
      "platforms decide; they see the model only as an object handed to them"),
+    (("pagellm.executor",), ("pagellm.engine", "pagellm.spec_decode", "pagellm.server", "pagellm.bench"),
+     "executors carry the engine's step messages to the model: below the engine"),
+    (("pagellm.model", "pagellm.distributed"), ("pagellm.executor",),
+     "the model and the process groups know nothing of who drives them"),
+    (("pagellm.distributed",), ("pagellm.model", "pagellm.engine", "pagellm.platforms"),
+     "process groups move tensors and bytes; what they mean is above them"),
     (("pagellm",), ("pagellm.cli",), "cli.py is the top: nothing imports it"),
 ]
 

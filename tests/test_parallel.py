@@ -133,3 +133,23 @@ def test_ray_backend_matches_one_rank(tiny_hf_model, smollm_gguf_path):
     finally:
         ray.shutdown()
     assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in one]
+
+
+def test_shared_memory_all_reduce_matches_gloo_and_leaves_no_segment(tiny_hf_model, smollm_gguf_path):
+    """TP ranks on one host sum through a shared-memory segment (the default), unlinked once every rank has
+    mapped it: /dev/shm holds nothing of it even while the engine runs. Two ranks: a + b either way, so the
+    logprobs equal gloo's bit for bit."""
+    import os
+
+    path = tiny_hf_model("llama")
+    before = set(os.listdir("/dev/shm"))
+    shm = LLM(path, tokenizer=smollm_gguf_path, kv_cache_memory="4MiB", tensor_parallel_size=2)
+    try:
+        assert set(os.listdir("/dev/shm")) <= before
+        a = shm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        shm.shutdown()
+    b, _ = _run(path, smollm_gguf_path, PROMPTS, GREEDY, tensor_parallel_size=2, shm_allreduce=False)
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert _chosen_logprobs(x.outputs[0]) == _chosen_logprobs(y.outputs[0])

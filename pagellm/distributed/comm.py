@@ -29,9 +29,18 @@ class GlooGroup:
     def __init__(self, store: Store, prefix: str, rank: int, size: int, timeout=IDLE_TIMEOUT):
         self.rank, self.size = rank, size
         self.pg = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
+        self.shm = None  # a ShmAllReduce, for ranks on one host (use_shared_memory)
+
+    def use_shared_memory(self, store: Store, name: str, max_elems: int) -> None:
+        from pagellm.distributed.shm_allreduce import ShmAllReduce
+
+        self.shm = ShmAllReduce(store, name, self.rank, self.size, max_elems, self.gloo_all_reduce)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place (gloo reduces contiguous CPU tensors)."""
+        """Sum over the group, in place: through shared memory where set up, else gloo."""
+        return self.gloo_all_reduce(t) if self.shm is None else self.shm.all_reduce(t)
+
+    def gloo_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             buf = t if t.is_contiguous() else t.contiguous()
             self.pg.allreduce([buf]).wait()

@@ -234,7 +234,7 @@ def run_headless(spec_source: tuple[str, int], nnodes: int, node_rank: int) -> i
 def start_workers(args, model_path: str, dtype, kv_dtype, num_blocks: int, num_host_blocks: int) -> MultiprocExecutor:
     """The engine's executor for args.executor_backend "mp" (or "ray": the same workers, placed by Ray)."""
     spec = WorkerSpec(args, model_path, dtype, kv_dtype, num_blocks, num_host_blocks, args.tensor_parallel_size,
-                      args.pipeline_parallel_size, args.num_threads)
+                      args.pipeline_parallel_size, args.num_threads, args.nnodes)
     if args.executor_backend == "ray":
         from pagellm.executor.ray_workers import RayExecutor
 

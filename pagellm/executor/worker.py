@@ -40,6 +40,7 @@ ERROR_COUNT = "pagellm/errors"
 STOP = "stop"
 STATS = "stats"
 CONNECT_TIMEOUT = datetime.timedelta(seconds=600)
+SHM_MAX_ELEMS = 8 << 20  # float32 elements per rank slot (32 MiB); bigger all-reduces go through gloo
 
 
 @dataclass
@@ -55,7 +56,13 @@ class WorkerSpec:
     tp: int
     pp: int
     threads_per_rank: int | None  # None: the node's cores divided among its ranks
+    nnodes: int = 1
     micro_batches: int = 2
+
+    @property
+    def tp_group_on_one_node(self) -> bool:
+        """Tensor groups are consecutive ranks and nodes hold equal shares: aligned, they share a host."""
+        return (self.tp * self.pp // self.nnodes) % self.tp == 0
 
     @property
     def world_size(self) -> int:
@@ -80,7 +87,12 @@ def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int)
     weights = model_weight_bytes(runner.model)
     store.set(f"ready/{rank}", str(weights))
     world = GlooGroup(store, "world", rank, spec.world_size)
-    info.group = GlooGroup(store, f"tp{info.pp_rank}", info.tp_rank, spec.tp) if spec.tp > 1 else None
+    if spec.tp > 1:
+        info.group = GlooGroup(store, f"tp{info.pp_rank}", info.tp_rank, spec.tp)
+        if spec.args.shm_allreduce and spec.tp_group_on_one_node:
+            hidden = runner.model.config.hidden_size
+            info.group.use_shared_memory(store, f"shm{info.pp_rank}",
+                                         min(spec.args.max_num_batched_tokens * hidden, SHM_MAX_ELEMS))
     if spec.pp > 1:
         runner.pipeline = PipelineLink(GlooGroup(store, f"pp{info.tp_rank}", info.pp_rank, spec.pp), spec.micro_batches)
     _serve(store, world, runner, rank, spec)
