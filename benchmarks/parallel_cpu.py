@@ -86,14 +86,17 @@ def _allreduce_worker(rank: int, port: int, shapes: list, out) -> None:
     store = TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=60))
     group = GlooGroup(store, "bench", rank, 2)
     res = {}
-    for rows in shapes:
-        t = torch.randn(rows, 576)
-        for _ in range(20):
-            group.all_reduce(t)
-        n, t0 = 500 if rows < 64 else 100, time.perf_counter()
-        for _ in range(n):
-            group.all_reduce(t)
-        res[rows] = (time.perf_counter() - t0) / n * 1e6
+    for how in ("gloo", "shared memory"):
+        if how == "shared memory":
+            group.use_shared_memory(store, "bench-shm", 512 * 576)
+        for rows in shapes:
+            t = torch.randn(rows, 576)
+            for _ in range(20):
+                group.all_reduce(t)
+            n, t0 = 500 if rows < 64 else 100, time.perf_counter()
+            for _ in range(n):
+                group.all_reduce(t)
+            res[f"{how}, {rows}x576 float32"] = round((time.perf_counter() - t0) / n * 1e6, 1)
     if rank == 0:
         out.put(res)
 
@@ -110,7 +113,7 @@ def allreduce_us(shapes=(1, 16, 64, 512)) -> dict:
     res = q.get(timeout=300)
     for p in procs:
         p.join(60)
-    return {f"{rows}x576 float32": round(us, 1) for rows, us in res.items()}
+    return res
 
 
 def plot(report: dict, path: str) -> None:

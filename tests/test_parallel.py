@@ -153,3 +153,18 @@ def test_shared_memory_all_reduce_matches_gloo_and_leaves_no_segment(tiny_hf_mod
     for x, y in zip(a, b, strict=True):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert _chosen_logprobs(x.outputs[0]) == _chosen_logprobs(y.outputs[0])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_blocks_split_at_block_boundaries(quantization, tiny_hf_model, smollm_gguf_path):
+    """int8 (q8_0 per channel) and int4 (q4_1, groups of 32) at load: the row-parallel layers' blocks are cut
+    along their input columns (32 of the tiny model's 64 per rank), read by the same packed kernels."""
+    path = tiny_hf_model("llama")
+    kw = dict(quantization=quantization, quantization_group_size=32)
+    one, _ = _run(path, smollm_gguf_path, PROMPTS, GREEDY, **kw)
+    split, _ = _run(path, smollm_gguf_path, PROMPTS, GREEDY, tensor_parallel_size=2, **kw)
+    for a, b in zip(one, split, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        diff = max(abs(x - y) for x, y in zip(_chosen_logprobs(a.outputs[0]), _chosen_logprobs(b.outputs[0]),
+                                                 strict=True))
+        assert diff < 1e-4, diff

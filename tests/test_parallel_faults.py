@@ -68,6 +68,44 @@ def test_killing_a_worker_mid_generation_fails_the_engine_within_seconds(tiny_pa
     llm.shutdown()
 
 
+_WORKER_FAULT = """
+import os
+if os.environ.get("PAGELLM_TEST_WORKER_FAULT"):  # worker processes only: they start with this on PYTHONPATH
+    from pagellm.model import runner
+
+    _execute = runner.ModelRunner.execute
+
+    def execute(self, msg):
+        if os.path.exists(os.environ["PAGELLM_TEST_WORKER_FAULT"]):
+            raise RuntimeError("injected fault in a worker step")
+        return _execute(self, msg)
+
+    runner.ModelRunner.execute = execute
+"""
+
+
+def test_a_worker_whose_step_raises_fails_the_engine_with_its_reason(tiny_path, smollm_gguf_path, tmp_path,
+                                                                     monkeypatch):
+    """The fault is injected by a sitecustomize on the workers' PYTHONPATH (no production hook)."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_WORKER_FAULT)
+    trigger = tmp_path / "fail-now"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PAGELLM_TEST_WORKER_FAULT", str(trigger))
+    llm = LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB", pipeline_parallel_size=2)
+    pids = [p.popen.pid for p in llm.engine.executor.procs]
+    try:
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+        trigger.touch()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailedError, match="injected fault in a worker step"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - t0 < 10
+        wait_until(lambda: _gone(pids), timeout=10, what="every worker gone")
+    finally:
+        llm.shutdown()
+
+
 def test_a_worker_that_fails_to_load_is_a_one_line_error(tiny_path, smollm_gguf_path):
     """The engine process reads config.json, the tokenizer and the files' headers (a truncated file fails
     there, before any worker starts); what only loading finds, here --quantization gptq on a float

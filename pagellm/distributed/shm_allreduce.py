@@ -10,13 +10,15 @@ left in /dev/shm even if a rank is killed later.
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
-from multiprocessing import resource_tracker, shared_memory
+import uuid
 
 import numpy as np
 import torch
 
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 _COUNTER_STRIDE = 8  # int64s per rank counter: one 64-byte cache line each
 _SPINS_BEFORE_YIELD = 200
 
@@ -26,29 +28,37 @@ class ShmAllReduce:
         self.rank, self.size, self.max_elems, self.fallback = rank, size, max_elems, fallback
         counters = size * _COUNTER_STRIDE * 8
         nbytes = counters + 2 * size * max_elems * 4
+        # a file in /dev/shm mapped by hand: multiprocessing's SharedMemory would hand it to a resource
+        # tracker, which unlinks (or warns about) it at exit in every process that touched it
         if rank == 0:
-            self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
-            store.set(f"{name}/segment", self.shm.name)
+            path = os.path.join(SHM_DIR, f"pagellm-allreduce-{uuid.uuid4().hex}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, nbytes)
+            store.set(f"{name}/segment", path)
         else:
-            self.shm = shared_memory.SharedMemory(name=store.get(f"{name}/segment").decode())
-        resource_tracker.unregister(self.shm._name, "shared_memory")  # unlinked below, not at exit
+            path = store.get(f"{name}/segment").decode()
+            fd = os.open(path, os.O_RDWR)
+        self.map = mmap.mmap(fd, nbytes)
+        os.close(fd)
         store.add(f"{name}/mapped", 1)
         if rank == 0:
-            self._unlink_when_mapped(store, name)
-        buf = self.shm.buf
+            self._unlink_when_mapped(store, name, path)
+        buf = memoryview(self.map)
         self.counters = np.ndarray((size, _COUNTER_STRIDE), dtype=np.int64, buffer=buf)
         self.slots = torch.frombuffer(buf, dtype=torch.float32, offset=counters,
                                       count=2 * size * max_elems).view(2, size, max_elems)
         self.seq = 0
         self.counters[rank, 0] = 0
 
-    def _unlink_when_mapped(self, store, name: str) -> None:
+    def _unlink_when_mapped(self, store, name: str, path: str) -> None:
         deadline = time.monotonic() + 300
-        while store.add(f"{name}/mapped", 0) < self.size:
-            if time.monotonic() > deadline:
-                raise TimeoutError("tensor-parallel ranks did not map the shared all-reduce segment")
-            time.sleep(0.01)
-        self.shm.unlink()
+        try:
+            while store.add(f"{name}/mapped", 0) < self.size:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("tensor-parallel ranks did not map the shared all-reduce segment")
+                time.sleep(0.01)
+        finally:
+            os.unlink(path)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel()

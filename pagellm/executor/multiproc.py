@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -52,8 +53,12 @@ class WorkerProcess:
 
     def __init__(self, rank: int, master_addr: str, master_port: int, local_ranks: int):
         self.name = f"pagellm worker rank {rank}"
+        # The kernel's parent-death signal follows the *thread* that started the child: asked for only from
+        # the main thread (a thread pool's thread may exit while the engine lives on). Either way a worker
+        # exits when the engine's end of its connection closes.
+        env = dict(os.environ, PAGELLM_DIE_WITH_PARENT=str(int(threading.current_thread() is threading.main_thread())))
         self.popen = subprocess.Popen([sys.executable, "-m", "pagellm.executor", str(rank), master_addr,
-                                       str(master_port), str(local_ranks)], stdin=subprocess.DEVNULL)
+                                       str(master_port), str(local_ranks)], stdin=subprocess.DEVNULL, env=env)
 
     @property
     def exitcode(self) -> int | None:

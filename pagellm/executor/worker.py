@@ -75,7 +75,8 @@ class WorkerSpec:
 
 def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int) -> None:
     """A worker process's life (started by pagellm.executor.multiproc.WorkerProcess)."""
-    _die_with_parent()
+    if os.environ.get("PAGELLM_DIE_WITH_PARENT") == "1":
+        _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s pagellm rank {rank} %(levelname)s %(message)s")
     store = TCPStore(master_addr, master_port, None, False, CONNECT_TIMEOUT)
     spec: WorkerSpec = pickle.loads(store.get(SPEC_KEY))
