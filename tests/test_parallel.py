@@ -168,3 +168,21 @@ def test_quantized_blocks_split_at_block_boundaries(quantization, tiny_hf_model,
         diff = max(abs(x - y) for x, y in zip(_chosen_logprobs(a.outputs[0]), _chosen_logprobs(b.outputs[0]),
                                                  strict=True))
         assert diff < 1e-4, diff
+
+
+def test_a_result_too_big_for_the_shared_memory_channel_comes_through_gloo(tiny_hf_model, smollm_gguf_path):
+    """Scoring 200 positions over a 49,152-token vocabulary returns 39 MB of logits in one result, more than
+    the 16 MiB channel: the worker announces it there and sends it through gloo."""
+    from pagellm.executor.transport import FROM_RESULT_BYTES
+
+    path = tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
+    ids = [(7 * i) % 49000 + 3 for i in range(200)]
+    assert 200 * 49152 * 4 > FROM_RESULT_BYTES
+    one = LLM(path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB")
+    two = LLM(path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB", pipeline_parallel_size=2)
+    try:
+        assert type(two.engine.executor.transport).__name__ == "ShmTransport"
+        a, b = one.next_token_logprobs([ids])[0], two.next_token_logprobs([ids])[0]
+        assert a.shape == b.shape == (200, 49152) and (a - b).abs().max() < 1e-4
+    finally:
+        two.shutdown()

@@ -12,6 +12,7 @@ can forget. Each step's rows are then `ScheduledRows` in batch order.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from pagellm.core.kv_cache_manager import BlockCopies
@@ -66,7 +67,9 @@ class StepMessage:
 
 @dataclass
 class _Sent:
-    request: object  # the engine-side sequence (a Request, or a draft model's own sequence object)
+    # the engine-side sequence (a Request, or a draft model's own sequence object), weakly: a finished
+    # request (its grammar matcher, its logprobs) must not live on here until the next step
+    request: weakref.ref
     num_tokens: int
     block_ids: list[int]  # the table the workers hold
 
@@ -92,22 +95,21 @@ class StepMessageBuilder:
         scheduled = {s.request.request_id for s in out.scheduled}
         # Sequences no longer running (finished, dropped beams, preempted: recompute or swap) leave the
         # workers; one that comes back is sent whole again.
-        for seq_id in [k for k, v in self._sent.items() if k not in scheduled
-                       and getattr(v.request, "status", RequestStatus.RUNNING) != RequestStatus.RUNNING]:
+        for seq_id in [k for k, v in self._sent.items() if k not in scheduled and not _running(v.request())]:
             del self._sent[seq_id]
             msg.finished.append(seq_id)
         for s in out.scheduled:
             req, seq_id = s.request, s.request.request_id
             sent = self._sent.get(seq_id)
             tokens, blocks = req.all_token_ids, s.block_ids
-            if sent is not None and (sent.request is not req or len(tokens) < sent.num_tokens
+            if sent is not None and (sent.request() is not req or len(tokens) < sent.num_tokens
                                      or len(blocks) < len(sent.block_ids)):
                 sent = None  # not the sequence the workers hold: replace it
                 msg.finished.append(seq_id)
             if sent is None:
                 msg.new.append(NewSequence(seq_id, list(tokens), list(blocks),
                                            getattr(req, "num_prompt_tokens", len(tokens))))
-                self._sent[seq_id] = _Sent(req, len(tokens), list(blocks))
+                self._sent[seq_id] = _Sent(weakref.ref(req), len(tokens), list(blocks))
             else:
                 held = sent.block_ids
                 first = min(req.num_computed_tokens // self.block_size, len(held))
@@ -120,6 +122,10 @@ class StepMessageBuilder:
             msg.rows.append(ScheduledRows(seq_id, req.num_computed_tokens, s.num_new_tokens,
                                           list(s.spec_token_ids), s.samples, _prompt_logprobs(req)))
         return msg
+
+
+def _running(req) -> bool:
+    return req is not None and getattr(req, "status", RequestStatus.RUNNING) == RequestStatus.RUNNING
 
 
 def _prompt_logprobs(req) -> tuple[int, int] | None:

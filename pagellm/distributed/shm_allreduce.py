@@ -19,6 +19,16 @@ import numpy as np
 import torch
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+class NoSharedMemory(RuntimeError):
+    """Not enough room in SHM_DIR: the caller keeps gloo."""
+
+
+def has_room(nbytes: int) -> bool:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize >= nbytes * 1.25
+
 _COUNTER_STRIDE = 8  # int64s per rank counter: one 64-byte cache line each
 _SPINS_BEFORE_YIELD = 200
 
@@ -32,11 +42,16 @@ class ShmAllReduce:
         # tracker, which unlinks (or warns about) it at exit in every process that touched it
         if rank == 0:
             path = os.path.join(SHM_DIR, f"pagellm-allreduce-{uuid.uuid4().hex}")
+            if not has_room(nbytes):  # a small /dev/shm (containers: 64 MiB) would SIGBUS on first touch
+                store.set(f"{name}/segment", "")
+                raise NoSharedMemory(f"{SHM_DIR} has no room for {nbytes} bytes")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, nbytes)
             store.set(f"{name}/segment", path)
         else:
             path = store.get(f"{name}/segment").decode()
+            if not path:
+                raise NoSharedMemory(f"{SHM_DIR} has no room for the all-reduce segment")
             fd = os.open(path, os.O_RDWR)
         self.map = mmap.mmap(fd, nbytes)
         os.close(fd)

@@ -25,8 +25,10 @@ from torch.distributed import TCPStore
 
 from pagellm.core.step_message import StepMessage
 from pagellm.distributed import GlooGroup, free_port
+from pagellm.distributed.shm_allreduce import has_room
 from pagellm.executor.base import Executor
 from pagellm.executor.errors import WorkerFailedError
+from pagellm.executor.transport import FROM_RESULT_BYTES, TO_WORKERS_BYTES, GlooTransport, ShmTransport
 from pagellm.executor.worker import SPEC_KEY, STATS, STOP, WorkerSpec
 from pagellm.model.runner import StepResult
 
@@ -92,6 +94,7 @@ def stop_processes(procs: list, grace_s: float = 5.0) -> None:
 
 class MultiprocExecutor(Executor):
     name = "mp"
+    local_channels = True  # shared-memory message channels when every worker is on this host
 
     def __init__(self, spec: WorkerSpec, nnodes: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int | None = None):
@@ -102,6 +105,11 @@ class MultiprocExecutor(Executor):
         port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
         self.store = TCPStore(master_addr, port, None, True, datetime.timedelta(seconds=READY_TIMEOUT_S),
                               wait_for_workers=False)
+        # every worker on this host: step messages and results through shared memory, not gloo
+        channels = nnodes == 1 and self.local_channels and has_room(TO_WORKERS_BYTES + FROM_RESULT_BYTES)
+        if channels:
+            spec.channels = ShmTransport.create(spec.world_size - 1)
+            self.transport = ShmTransport(spec.channels, spec.world_size - 1, None, alive=lambda: self.error is None)
         self.store.set(SPEC_KEY, pickle.dumps(spec))
         self.procs = self._launch(node_ranks(spec.world_size, nnodes, 0), master_addr, port)
         weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown() still stops its workers
@@ -111,6 +119,14 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self._kill_all()
             raise
+        finally:
+            if channels:  # every worker has mapped them (or is gone): the names can go
+                for path in spec.channels:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+        if not channels:
+            self.transport = GlooTransport(self.world)
+        self.transport.world = self.world
         self._watchdog = threading.Thread(target=self._watch, name="pagellm-worker-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -161,8 +177,10 @@ class MultiprocExecutor(Executor):
             raise WorkerFailedError(self.error or "the workers were shut down")
         try:
             with self._busy:
-                self.world.broadcast_object(msg)
-                return [self.world.recv_object(r) for r in reply_from]
+                self.transport.broadcast(msg)
+                if reply_from == [self.spec.result_rank] and msg != STATS:
+                    return [self.transport.recv_result(reply_from[0])]
+                return [self.world.recv_object(r) for r in reply_from]  # stats: every rank, through gloo
         except Exception as e:  # a rank died under us: gloo reports the closed connection
             self.error = self.error or self._worker_error(2.0) or (
                 f"lost a worker: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -205,7 +223,7 @@ class MultiprocExecutor(Executor):
             return
         self._closed = True
         try:
-            self.world.broadcast_object(STOP)
+            self.transport.broadcast(STOP)
         except Exception:
             pass
         stop_processes(self.procs)

@@ -52,6 +52,7 @@ class RayWorker:
 
 class RayExecutor(MultiprocExecutor):
     name = "ray"
+    local_channels = False  # Ray may place workers on other hosts
 
     def _launch(self, ranks: list[int], master_addr: str, master_port: int) -> list[RayWorker]:
         ray = _ray()

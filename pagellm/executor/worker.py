@@ -26,6 +26,8 @@ from torch.distributed import TCPStore
 
 from pagellm.config import EngineArgs
 from pagellm.distributed import GlooGroup, PipelineLink
+from pagellm.distributed.shm_allreduce import NoSharedMemory
+from pagellm.executor.transport import GlooTransport, ShmTransport
 from pagellm.model.attention import get_attention_backend
 from pagellm.model.loader import load_config
 from pagellm.model.loader.model_loader import get_model, model_weight_bytes
@@ -40,7 +42,9 @@ ERROR_COUNT = "pagellm/errors"
 STOP = "stop"
 STATS = "stats"
 CONNECT_TIMEOUT = datetime.timedelta(seconds=600)
-SHM_MAX_ELEMS = 8 << 20  # float32 elements per rank slot (32 MiB); bigger all-reduces go through gloo
+# float32 elements per rank slot (2 MiB: decode and small prefill steps); bigger all-reduces go through
+# gloo, whose ~1 ms latency is small beside the compute of that many rows
+SHM_MAX_ELEMS = 512 << 10
 
 
 @dataclass
@@ -58,6 +62,7 @@ class WorkerSpec:
     threads_per_rank: int | None  # None: the node's cores divided among its ranks
     nnodes: int = 1
     micro_batches: int = 2
+    channels: tuple[str, str] | None = None  # shared-memory message channels (all workers on one host)
 
     @property
     def tp_group_on_one_node(self) -> bool:
@@ -85,18 +90,27 @@ def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int)
     except Exception as e:  # a clear line for the engine, then out
         store.set(f"error/{store.add(ERROR_COUNT, 1)}", f"worker rank {rank} failed to start: {type(e).__name__}: {e}")
         os._exit(1)
-    weights = model_weight_bytes(runner.model)
-    store.set(f"ready/{rank}", str(weights))
+    transport = None
+    if spec.channels:  # mapped before "ready": the engine unlinks them once every rank is
+        parent = os.getppid()
+        transport = ShmTransport(spec.channels, spec.world_size - 1, rank - 1, alive=lambda: os.getppid() == parent)
+    store.set(f"ready/{rank}", str(model_weight_bytes(runner.model)))
     world = GlooGroup(store, "world", rank, spec.world_size)
+    if transport is None:
+        transport = GlooTransport(world)
+    transport.world = world
     if spec.tp > 1:
         info.group = GlooGroup(store, f"tp{info.pp_rank}", info.tp_rank, spec.tp)
         if spec.args.shm_allreduce and spec.tp_group_on_one_node:
             hidden = runner.model.config.hidden_size
-            info.group.use_shared_memory(store, f"shm{info.pp_rank}",
-                                         min(spec.args.max_num_batched_tokens * hidden, SHM_MAX_ELEMS))
+            try:
+                info.group.use_shared_memory(store, f"shm{info.pp_rank}",
+                                             min(spec.args.max_num_batched_tokens * hidden, SHM_MAX_ELEMS))
+            except NoSharedMemory as e:
+                logger.warning("tensor-parallel all-reduce through gloo: %s", e)
     if spec.pp > 1:
         runner.pipeline = PipelineLink(GlooGroup(store, f"pp{info.tp_rank}", info.pp_rank, spec.pp), spec.micro_batches)
-    _serve(store, world, runner, rank, spec)
+    _serve(store, world, transport, runner, rank, spec)
 
 
 def _build(spec: WorkerSpec, rank: int, local_ranks: int) -> tuple[ModelRunner, ParallelInfo]:
@@ -119,11 +133,11 @@ def _build(spec: WorkerSpec, rank: int, local_ranks: int) -> tuple[ModelRunner, 
     return runner, info
 
 
-def _serve(store: TCPStore, world: GlooGroup, runner: ModelRunner, rank: int, spec: WorkerSpec) -> None:
+def _serve(store: TCPStore, world: GlooGroup, transport, runner: ModelRunner, rank: int, spec: WorkerSpec) -> None:
     busy = 0.0
     while True:
         try:
-            msg = world.broadcast_object(None)
+            msg = transport.next_message()
         except Exception:  # the engine is gone
             os._exit(0)
         if msg == STOP:
@@ -143,7 +157,7 @@ def _serve(store: TCPStore, world: GlooGroup, runner: ModelRunner, rank: int, sp
                 store.set(f"error/{store.add(ERROR_COUNT, 1)}", f"worker rank {rank}: {detail}")
             os._exit(1)
         if rank == spec.result_rank:
-            world.send_object(result, 0)
+            transport.send_result(result)
 
 
 def _die_with_parent() -> None:
