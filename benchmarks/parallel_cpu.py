@@ -123,14 +123,15 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = report["results"]
-    labels = [f"TP{r['tp']} x PP{r['pp']}" + (" gloo" if r["all_reduce"] == "gloo" and r["tp"] > 1 else "")
+    labels = [f"TP{r['tp']} x PP{r['pp']}" + ("\ngloo" if r["all_reduce"] == "gloo" and r["tp"] > 1 else "")
               for r in rows]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     ax[0].bar(labels, [r["w2_output_tok_s"] for r in rows], color="#4c72b0")
     ax[0].set_title("W2 output tok/s (higher is better)")
     ax[1].bar(labels, [r["decode_ms_per_token"] for r in rows], color="#dd8452")
     ax[1].set_title("single-stream decode, ms/token (lower is better)")
-    fig.suptitle(f"SmolLM2-135M Q4_1, {report['cpu']}", fontsize=9)
+    cpu = report["cpu"].split("; cpu ", 1)[-1].split(";")[0]  # the model and core count
+    fig.suptitle(f"SmolLM2-135M Q4_1 GGUF, {cpu}, {report['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -103,9 +103,10 @@ def test_engine_features_under_tp2_and_pp2_match_one_rank(tiny_hf_model, smollm_
                     assert stats.num_swapped_out > 0
     spec = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
     ref, _ = _run(path, smollm_gguf_path, prompts, plain, **spec)
-    got, stats = _run(path, smollm_gguf_path, prompts, plain, tensor_parallel_size=2, **spec)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-    assert stats.num_draft_tokens > 0
+    for split in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)):
+        got, stats = _run(path, smollm_gguf_path, prompts, plain, **split, **spec)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        assert stats.num_draft_tokens > 0
 
 
 def test_embeddings_and_scoring_under_tp2_match_one_rank(tiny_hf_model, smollm_gguf_path):
