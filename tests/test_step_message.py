@@ -98,3 +98,17 @@ def test_pipeline_stages_and_micro_batches():
     groups = runner._micro_batches(rows)
     assert [g[0] for g in groups] == [0, 2] and sum(len(g[1]) for g in groups) == 4
     assert runner._micro_batches(rows[:1]) == [(0, rows[:1])]
+
+
+def test_a_sequence_preempted_between_two_messages_is_sent_whole_again():
+    """A step that runs nothing sends no message, yet may preempt (the scheduler sets an idle beam aside);
+    readmitted with prefix-cache hits on other blocks, the sequence keeps its computed count, so only its
+    preemption count tells the builder that the table the workers hold is stale."""
+    b = StepMessageBuilder(block_size=4)
+    req = Request("a", list(range(1, 10)), SamplingParams())
+    req.status = RequestStatus.RUNNING
+    b.build(SchedulerOutput([ScheduledRequest(req, 9, [10, 11, 30])], 9))
+    req.num_computed_tokens = 9
+    req.num_preemptions += 1  # preempted and readmitted with hits on blocks 20, 21 (no message between)
+    msg = b.build(SchedulerOutput([ScheduledRequest(req, 0 + 1, [20, 21, 30])], 1))
+    assert [n.block_ids for n in msg.new] == [[20, 21, 30]] and "a" in msg.finished and not msg.diffs

@@ -2,12 +2,13 @@
 
 The scheduler runs once, in the engine process; every worker (one in-process runner, or T x P processes)
 keeps a persistent copy of each running sequence's tokens and block table (`WorkerBatch`) and receives only
-what changed (`StepMessageBuilder`): a sequence it has not seen (or whose KV moved: preemption, swap, a
-recompute) comes whole as `NewSequence`; a running one brings the tokens appended since (`SequenceDiff`:
+what changed (`StepMessageBuilder`): a sequence it has not seen, or whose KV moved (preemption, swap, a
+recompute: seen as a changed preemption count, since a step that ran nothing may preempt between two
+messages), comes whole as `NewSequence`; a running one brings the tokens appended since (`SequenceDiff`:
 sampled tokens, accepted drafts) and the tail of its block table that changed: blocks added, or the block
-being written replaced by its copy (copy-on-write). Blocks of computed positions never change, so only
-the table from the block of `num_computed_tokens` on is compared. `finished` lists sequences the workers
-can forget. Each step's rows are then `ScheduledRows` in batch order.
+being written replaced by its copy (copy-on-write). Blocks of computed positions never change otherwise,
+so only the table from the block of `num_computed_tokens` on is compared. `finished` lists sequences the
+workers can forget. Each step's rows are then `ScheduledRows` in batch order.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class _Sent:
     request: weakref.ref
     num_tokens: int
     block_ids: list[int]  # the table the workers hold
+    num_preemptions: int  # a preemption between two builds (a step that ran nothing) moved its KV
 
 
 class StepMessageBuilder:
@@ -103,13 +105,15 @@ class StepMessageBuilder:
             sent = self._sent.get(seq_id)
             tokens, blocks = req.all_token_ids, s.block_ids
             if sent is not None and (sent.request() is not req or len(tokens) < sent.num_tokens
-                                     or len(blocks) < len(sent.block_ids)):
+                                     or len(blocks) < len(sent.block_ids)
+                                     or getattr(req, "num_preemptions", 0) != sent.num_preemptions):
                 sent = None  # not the sequence the workers hold: replace it
                 msg.finished.append(seq_id)
             if sent is None:
                 msg.new.append(NewSequence(seq_id, list(tokens), list(blocks),
                                            getattr(req, "num_prompt_tokens", len(tokens))))
-                self._sent[seq_id] = _Sent(weakref.ref(req), len(tokens), list(blocks))
+                self._sent[seq_id] = _Sent(weakref.ref(req), len(tokens), list(blocks),
+                                           getattr(req, "num_preemptions", 0))
             else:
                 held = sent.block_ids
                 first = min(req.num_computed_tokens // self.block_size, len(held))

@@ -14,6 +14,8 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 # Idle workers wait in a broadcast for the next step for as long as the server is idle; a rank that dies
 # is noticed at once (its sockets close), so this bounds only a rank that hangs alive.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
+# building a group waits for every member: bounded, then the group's waits get IDLE_TIMEOUT
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=300)
 _OBJECT_TAG = 7
 
 
@@ -26,9 +28,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 class GlooGroup:
     """One gloo process group: `size` ranks that share `prefix` in the store."""
 
-    def __init__(self, store: Store, prefix: str, rank: int, size: int, timeout=IDLE_TIMEOUT):
+    def __init__(self, store: Store, prefix: str, rank: int, size: int, timeout=RENDEZVOUS_TIMEOUT):
         self.rank, self.size = rank, size
         self.pg = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
+        self.pg.set_timeout(IDLE_TIMEOUT)
         self.shm = None  # a ShmAllReduce, for ranks on one host (use_shared_memory)
 
     def use_shared_memory(self, store: Store, name: str, max_elems: int) -> None:

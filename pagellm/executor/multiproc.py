@@ -109,11 +109,12 @@ class MultiprocExecutor(Executor):
         channels = nnodes == 1 and self.local_channels and has_room(TO_WORKERS_BYTES + FROM_RESULT_BYTES)
         if channels:
             spec.channels = ShmTransport.create(spec.world_size - 1)
-            self.transport = ShmTransport(spec.channels, spec.world_size - 1, None, alive=lambda: self.error is None)
+            self.transport = ShmTransport(spec.channels, spec.world_size - 1, None, alive=self._workers_alive)
         self.store.set(SPEC_KEY, pickle.dumps(spec))
-        self.procs = self._launch(node_ranks(spec.world_size, nnodes, 0), master_addr, port)
+        self.procs: list = []
         weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown() still stops its workers
         try:
+            self.procs.extend(self._launch(node_ranks(spec.world_size, nnodes, 0), master_addr, port))
             self.weights_bytes = self._wait_ready()
             self.world = GlooGroup(self.store, "world", 0, spec.world_size)
         except BaseException:
@@ -129,6 +130,9 @@ class MultiprocExecutor(Executor):
         self.transport.world = self.world
         self._watchdog = threading.Thread(target=self._watch, name="pagellm-worker-watchdog", daemon=True)
         self._watchdog.start()
+
+    def _workers_alive(self) -> bool:
+        return self.error is None and all(p.is_alive() for p in self.procs)
 
     def _launch(self, ranks: list[int], master_addr: str, master_port: int) -> list:
         """Start the workers; each handle has name, exitcode, is_alive(), kill(), join(timeout)."""
@@ -186,6 +190,10 @@ class MultiprocExecutor(Executor):
                 f"lost a worker: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             self._fail()
             raise WorkerFailedError(self.error) from None
+        except BaseException:  # Ctrl-C mid-step: the workers' state and a pending result no longer match
+            self.error = self.error or "a step was interrupted; start a new engine"
+            self._fail()
+            raise
 
     def _worker_error(self, wait_s: float) -> str | None:
         """Why the workers failed, waiting briefly for a reason to appear: a local rank killed by a signal
@@ -261,5 +269,6 @@ def start_workers(args, model_path: str, dtype, kv_dtype, num_blocks: int, num_h
     if args.executor_backend == "ray":
         from pagellm.executor.ray_workers import RayExecutor
 
+        spec.one_host = False  # Ray places workers: no shared-memory all-reduce
         return RayExecutor(spec, 1, args.master_addr, args.master_port)
     return MultiprocExecutor(spec, args.nnodes, args.master_addr, args.master_port)

@@ -63,11 +63,12 @@ class WorkerSpec:
     nnodes: int = 1
     micro_batches: int = 2
     channels: tuple[str, str] | None = None  # shared-memory message channels (all workers on one host)
+    one_host: bool = True  # False: placement is not ours (Ray), no rank shares memory with another
 
     @property
     def tp_group_on_one_node(self) -> bool:
         """Tensor groups are consecutive ranks and nodes hold equal shares: aligned, they share a host."""
-        return (self.tp * self.pp // self.nnodes) % self.tp == 0
+        return self.one_host and (self.tp * self.pp // self.nnodes) % self.tp == 0
 
     @property
     def world_size(self) -> int:
@@ -87,14 +88,23 @@ def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int)
     spec: WorkerSpec = pickle.loads(store.get(SPEC_KEY))
     try:
         runner, info = _build(spec, rank, local_ranks)
+        transport = None
+        if spec.channels:  # mapped before "ready": the engine unlinks them once every rank is
+            parent = os.getppid()
+            transport = ShmTransport(spec.channels, spec.world_size - 1, rank - 1,
+                                     alive=lambda: os.getppid() == parent)
     except Exception as e:  # a clear line for the engine, then out
-        store.set(f"error/{store.add(ERROR_COUNT, 1)}", f"worker rank {rank} failed to start: {type(e).__name__}: {e}")
-        os._exit(1)
-    transport = None
-    if spec.channels:  # mapped before "ready": the engine unlinks them once every rank is
-        parent = os.getppid()
-        transport = ShmTransport(spec.channels, spec.world_size - 1, rank - 1, alive=lambda: os.getppid() == parent)
+        _report(store, rank, f"failed to start: {type(e).__name__}: {e}")
     store.set(f"ready/{rank}", str(model_weight_bytes(runner.model)))
+    try:
+        world, transport = _join(store, spec, runner, info, rank, transport)
+    except Exception as e:
+        _report(store, rank, f"failed to join the other ranks: {type(e).__name__}: {e}")
+    _serve(store, world, transport, runner, rank, spec)
+
+
+def _join(store: TCPStore, spec: WorkerSpec, runner: ModelRunner, info: ParallelInfo, rank: int, transport):
+    """The process groups (world; tensor and pipeline neighbours) and the message transport."""
     world = GlooGroup(store, "world", rank, spec.world_size)
     if transport is None:
         transport = GlooTransport(world)
@@ -110,7 +120,14 @@ def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int)
                 logger.warning("tensor-parallel all-reduce through gloo: %s", e)
     if spec.pp > 1:
         runner.pipeline = PipelineLink(GlooGroup(store, f"pp{info.tp_rank}", info.pp_rank, spec.pp), spec.micro_batches)
-    _serve(store, world, transport, runner, rank, spec)
+    return world, transport
+
+
+def _report(store: TCPStore, rank: int, detail: str) -> None:
+    """Leave why in the store (numbered: the first is the cause, later ones its echoes), then exit."""
+    with contextlib.suppress(Exception):
+        store.set(f"error/{store.add(ERROR_COUNT, 1)}", f"worker rank {rank} {detail}")
+    os._exit(1)
 
 
 def _build(spec: WorkerSpec, rank: int, local_ranks: int) -> tuple[ModelRunner, ParallelInfo]:
@@ -153,9 +170,7 @@ def _serve(store: TCPStore, world: GlooGroup, transport, runner: ModelRunner, ra
         except Exception as e:  # the engine reads why from the store once this rank is gone
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             print(f"pagellm worker rank {rank}: step failed\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            with contextlib.suppress(Exception):  # numbered: the first is the cause, later ones its echoes
-                store.set(f"error/{store.add(ERROR_COUNT, 1)}", f"worker rank {rank}: {detail}")
-            os._exit(1)
+            _report(store, rank, f"step failed: {detail}")
         if rank == spec.result_rank:
             transport.send_result(result)
 

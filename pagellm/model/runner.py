@@ -148,7 +148,7 @@ class ModelRunner:
         out = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
         if pipe.is_last:
             return out
-        sends.append(pipe.send_hidden(torch.stack(out)))
+        sends.append(pipe.send_hidden(torch.stack(out).to(self._dtype())))  # the dtype the next stage expects
         return None
 
     def _dtype(self) -> torch.dtype:
