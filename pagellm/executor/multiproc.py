@@ -174,17 +174,16 @@ class MultiprocExecutor(Executor):
         _kill(self.procs)
 
     def run(self, msg: StepMessage) -> StepResult:
-        return self._call(msg, [self.spec.result_rank])[0]
+        return self._call(msg, lambda: self.transport.recv_result(self.spec.result_rank))
 
-    def _call(self, msg, reply_from: list[int]) -> list:
+    def _call(self, msg, receive):
+        """Send msg to every worker, return receive()'s answer; any failure fails the executor."""
         if self.error is not None or self._closed:
             raise WorkerFailedError(self.error or "the workers were shut down")
         try:
             with self._busy:
                 self.transport.broadcast(msg)
-                if reply_from == [self.spec.result_rank] and msg != STATS:
-                    return [self.transport.recv_result(reply_from[0])]
-                return [self.world.recv_object(r) for r in reply_from]  # stats: every rank, through gloo
+                return receive()
         except Exception as e:  # a rank died under us: gloo reports the closed connection
             self.error = self.error or self._worker_error(2.0) or (
                 f"lost a worker: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -224,7 +223,7 @@ class MultiprocExecutor(Executor):
 
     def stats(self) -> list[dict]:
         """Each worker's busy seconds and time spent waiting on the previous pipeline stage."""
-        return self._call(STATS, list(range(1, self.spec.world_size)))
+        return self._call(STATS, lambda: [self.world.recv_object(r) for r in range(1, self.spec.world_size)])
 
     def shutdown(self) -> None:
         if self._closed:

@@ -1,6 +1,7 @@
 """How step messages reach the workers and results come back: gloo (any host), or, when every worker runs
 on the engine's host, two shared-memory channels (pagellm/distributed/shm_channel.py) that skip gloo's
-loopback round trips (0.4-1.8 ms each on the 2-core test VM; a step makes two). A message too big for a
+loopback exchanges (a gloo all-reduce costs 0.78-1.30 ms on the 2-core test VM,
+benchmarks/results/parallel_cpu_smollm2.json; a step makes two exchanges). A message too big for a
 channel goes through gloo, announced by a marker in the channel."""
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ class GlooTransport:
 
     def send_result(self, result) -> None:  # the result rank
         self.world.send_object(result, 0)
-
-    def close(self) -> None:
-        pass
 
 
 class ShmTransport(GlooTransport):
@@ -73,7 +71,3 @@ class ShmTransport(GlooTransport):
         except ValueError:
             self.back.send(_VIA_GLOO, self.alive)
             self.world.send_object(result, 0)
-
-    def close(self) -> None:
-        for ch in (self.to, self.back):
-            ch.unlink()
