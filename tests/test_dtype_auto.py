@@ -1,8 +1,8 @@
 """`--dtype auto` on a CPU with bf16 dot products (AVX-512 BF16, AMX): many-row products (prefill, decode
 steps of more than 20 rows) multiply bfloat16 copies of the weights and activations with float32
-accumulation; few-row steps, attention, norms and the KV cache stay float32. Not float32-exact, so the
-tolerance is stated here. `--dtype float32` stays the exact mode (every exactness test pins it or the
-default)."""
+accumulation, and the KV cache is float16 where the paged kernel reads it; few-row steps, attention and
+norms stay float32. Not float32-exact, so the tolerance is stated here. `--dtype float32` stays the exact
+mode (every exactness test pins it or the default)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,25 @@ def test_platform_chooses_bf16_gemms_only_for_auto():
     assert p.op_choices(torch.float32, auto=True).bf16_gemm == p.bf16_dot_products
     assert not p.op_choices(torch.bfloat16, auto=True).bf16_gemm
     assert p.bf16_dot_products == ("avx512_bf16" in p.isa or "amx_bf16" in p.isa)
+
+
+def test_auto_kv_cache_is_float16_only_with_bf16_gemms_and_a_kernel_that_reads_it(monkeypatch, tiny_hf_model,
+                                                                                 smollm_gguf_path):
+    from pagellm import LLM
+
+    p = get_platform("cpu")
+    reads_f16 = p.kv_dtype_readable_natively(torch.float16)
+    monkeypatch.setattr(p, "isa", [f for f in p.isa if f not in ("avx512_bf16", "amx_bf16")])
+    assert p.auto_kv_dtype(torch.float32) == torch.float32  # an AVX2 machine keeps what it had
+    monkeypatch.setattr(p, "isa", [*p.isa, "avx512_bf16"])
+    assert p.auto_kv_dtype(torch.float32) == (torch.float16 if reads_f16 else torch.float32)
+    monkeypatch.undo()
+    path, kw = tiny_hf_model(), {"tokenizer": smollm_gguf_path, "kv_cache_memory": "4MiB"}
+    auto = LLM(path, dtype="auto", **kw).engine
+    assert auto.kv_dtype == p.auto_kv_dtype(torch.float32)
+    assert auto.runner.kv_caches[0].dtype == auto.kv_dtype
+    assert LLM(path, dtype="auto", kv_cache_dtype="float32", **kw).engine.kv_dtype == torch.float32
+    assert LLM(path, **kw).engine.kv_dtype == torch.float32  # the exact default
 
 
 def test_bf16_linear_is_within_bf16_rounding_of_the_float64_product():

@@ -21,6 +21,7 @@ class PeerUnavailable(Exception):
 class PagellmEngine:
     def __init__(self, spec: dict):
         from pagellm import LLM
+        from pagellm.quant.kv_cache import kv_dtype_label
 
         self.llm = LLM(**dict(spec["engine_args"], num_threads=spec["threads"]))
         eng = self.llm.engine
@@ -29,7 +30,7 @@ class PagellmEngine:
                        + (f", {spec_method} speculative decoding" if spec_method else ""))
         self.info = {"kv_bytes_per_token": eng.bytes_per_block // eng.kv_cache.block_size,
                      "kv_cache_bytes": eng.bytes_per_block * eng.kv_cache.num_blocks,
-                     "dtype": f"{eng.args.dtype}, KV {eng.args.kv_dtype_name}"}
+                     "dtype": f"{eng.args.dtype} ({kv_dtype_label(eng.dtype)}), KV {kv_dtype_label(eng.kv_dtype)}"}
 
     def warm_up(self, prompt: list[int]) -> None:
         from pagellm.bench.throughput import warm_up_pagellm

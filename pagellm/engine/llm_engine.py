@@ -57,13 +57,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp
     return kv_bytes_per_token(cfg, kv_dtype_label(dtype), tp, pp) * block_size
 
 
-def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache element type: `auto` follows the compute dtype; int8 / fp8 (= fp8_e4m3) / fp8_e5m2
-    quantize on write and are read by every attention backend."""
+def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype, platform: Platform) -> torch.dtype:
+    """The KV cache element type: `auto` follows the compute dtype (under `--dtype auto`, the platform's
+    choice); int8 / fp8 (= fp8_e4m3) / fp8_e5m2 quantize on write and are read by every attention backend."""
     name = args.kv_dtype_name
     if name in KV_QUANT_DTYPES:
         return KV_QUANT_DTYPES[name]
-    return dtype if name == "auto" else DTYPES[name]
+    if name == "auto":  # both auto
+        return platform.auto_kv_dtype(dtype)
+    return DTYPES[name]
 
 
 def build_proposer(args: EngineArgs, max_model_len: int, backend: AttentionBackend, sampler: Sampler,
@@ -79,7 +81,7 @@ def build_proposer(args: EngineArgs, max_model_len: int, backend: AttentionBacke
     if draft_cfg.vocab_size != cfg.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs from the target's "
                          f"({cfg.vocab_size})")
-    kv_dtype = resolve_kv_dtype(args, dtype)
+    kv_dtype = resolve_kv_dtype(args, dtype, platform)
     draft = get_model(path, draft_cfg, platform, dtype, device, packed_weights_only=False)
     num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
     runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, backend, platform)
@@ -107,7 +109,7 @@ class LLMEngine:
             check_splittable(cfg, tp, pp)  # before any process starts
 
         cache = args.cache_config()
-        self.kv_dtype = kv_dtype = resolve_kv_dtype(args, dtype)
+        self.kv_dtype = kv_dtype = resolve_kv_dtype(args, dtype, platform)
         # per rank: --kv-cache-memory is each worker's (as vLLM's is per GPU); every rank holds every block
         self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, kv_dtype, tp, pp)
         num_blocks = cache.kv_cache_memory // self.bytes_per_block

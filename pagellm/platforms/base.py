@@ -59,6 +59,10 @@ class Platform:
     def auto_dtype(self) -> torch.dtype:
         return torch.float32
 
+    def auto_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache element type under `--dtype auto` with `--kv-cache-dtype auto`."""
+        return dtype
+
     def op_dtypes(self, dtype: torch.dtype) -> dict[str, str]:
         """The dtype each op class computes in, for `pagellm info` and the bench header."""
         name = str(dtype).removeprefix("torch.")
