@@ -159,6 +159,22 @@ def test_add_rmsnorm_rope_silu_match_torch():
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :20]) * gate_up[:, 20:])
 
 
+def test_bf16_silu_mul_rounds_once_as_torch_does():
+    """The bf16 MLP's activation: float32 arithmetic on the bf16 inputs, one round-to-nearest-even to bf16
+    (vector body and scalar tail: 1536 = 8 x 192 columns, 13 columns leave a tail of 5)."""
+    torch.manual_seed(0)
+    for t, i in [(1, 8), (5, 1536), (33, 13)]:
+        g = (torch.randn(t, 2 * i) * 4).bfloat16()
+        g[0, 0], g[0, i] = 1e38, 1e38  # silu(x) * u beyond bf16's range rounds to inf, as torch's cast does
+        out = ops.silu_mul(g)
+        ref = (F.silu(g.float()[:, :i]) * g.float()[:, i:]).bfloat16()
+        assert out.dtype == torch.bfloat16
+        exact = out.view(torch.int16) == ref.view(torch.int16)
+        # exp differs from libm's in the last float32 bit, which can move a value sitting on a rounding tie
+        assert exact.float().mean() > 0.999 and torch.allclose(out.float(), ref.float(), rtol=2**-8, atol=0)
+        assert out[0, 0].isinf()
+
+
 F16_KV = pytest.param(torch.float16, marks=pytest.mark.skipif(
     cpu_kernels() is None or not ops.kv_dtype_supported(torch.float16), reason="no F16C in this build"))
 

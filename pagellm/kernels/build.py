@@ -66,6 +66,7 @@ SIGNATURES = {
     "pagellm_add_rmsnorm": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "pagellm_rope": ([_p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32], None),
     "pagellm_silu_mul": ([_p, _i32, _i32, _p, _i32], None),
+    "pagellm_silu_mul_bf16": ([_p, _i32, _i32, _p, _i32], None),
     "pagellm_sgemm": ([_p, _p, _i64, _i64, _i64, _p, _i64, _i32, _i64, _p, _i64, _i32], None),
     "pagellm_packed_sgemm": ([_p, _p, _i64, _i64, _i64, _i32, _p, _p, _p, _i64, _p, _i64, _i32], None),
     # dims, layers, num_layers, kv caches, num_blocks, block_size, final norm, x, T, positions, slots,

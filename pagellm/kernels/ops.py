@@ -70,9 +70,11 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """float32 in and out, or bfloat16 in and out (the bf16 MLP of `--dtype auto`)."""
     t, two_i = gate_up.shape
-    out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    library().pagellm_silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    fn = library().pagellm_silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else library().pagellm_silu_mul
+    fn(gate_up.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
     return out
 
 

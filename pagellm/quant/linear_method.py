@@ -50,9 +50,18 @@ class LinearMethod:
         return layer.weight_t.t()
 
     def bf16_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T on bfloat16 copies with float32 accumulation (oneDNN), float32 out (+ bias)."""
-        y = torch.mm(x.to(torch.bfloat16), layer.weight_bf16.t()).float()
+        """x @ W^T on bfloat16 copies with float32 accumulation (oneDNN), float32 out (+ bias); bfloat16 out
+        for a layer that feeds another bf16 product (`bf16_out`: the MLP's gate/up), saving two cast passes
+        over its widest activations. x may come in bfloat16 already (the down projection)."""
+        y = torch.mm(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), layer.weight_bf16.t())
+        if layer.bf16_out and layer.bias is None:
+            return y
+        y = y.float()
         return y if layer.bias is None else y.add_(layer.bias)
+
+    def bf16_rows(self, layer: nn.Module, rows: int) -> bool:
+        """Whether a product of this many rows runs on the bfloat16 copy."""
+        return layer.weight_bf16 is not None and rows > PACKED_MAX_ROWS
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -67,7 +76,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         # few rows stay float32 (decode of float checkpoints is memory-bound either way)
-        if layer.weight_bf16 is not None and x.shape[0] > PACKED_MAX_ROWS:
+        if self.bf16_rows(layer, x.shape[0]):
             return self.bf16_matmul(layer, x)
         return self.gemm(x, layer.weight_t, layer.bias)
 
@@ -97,15 +106,20 @@ class GGUFBlocksLinearMethod(LinearMethod):
     def float_weight(self, layer) -> torch.Tensor:
         return layer.packed.dequantize()
 
+    def bf16_rows(self, layer, rows: int) -> bool:
+        # few rows read the blocks in place where a kernel reads their kind
+        few = rows <= PACKED_MAX_ROWS and self.reads_blocks(layer.packed)
+        return layer.weight_bf16 is not None and not few
+
     def apply(self, layer, x):
         packed: PackedWeight = layer.packed
         if packed.act_fp8:
             x = fp8_activations(x, packed.act_scale)
+        if self.bf16_rows(layer, x.shape[0]):
+            return self.bf16_matmul(layer, x)
         if x.shape[0] <= PACKED_MAX_ROWS and self.reads_blocks(packed):
             xp = x if packed.perm is None else x.index_select(1, packed.perm)
             y = ops.packed_linear(xp, packed, self.choices.int8_activations)
-        elif layer.weight_bf16 is not None:
-            return self.bf16_matmul(layer, x)
         elif layer.weight_t.numel() == 0:  # float copy dropped
             xp = x if packed.perm is None else x.index_select(1, packed.perm)
             y = blas.packed_matmul(xp, packed) if self.choices.blas_gemm else None

@@ -66,3 +66,47 @@ extern "C" void pagellm_silu_mul(const float* gate_up, int T, int I, float* out,
         for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
     }
 }
+
+// bfloat16 <-> float32 as torch converts: widening is exact; narrowing rounds to nearest, ties to even
+// (NaN stays NaN: its payload gets the quiet bit).
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+// The bfloat16 MLP of `--dtype auto` (many-row steps): out[t, i] = bf16(silu(g) * u) of the bf16 gate/up
+// GEMM output, in float32 arithmetic; out feeds the down projection's bf16 GEMM without a cast pass.
+extern "C" void pagellm_silu_mul_bf16(const uint16_t* gate_up, int T, int I, uint16_t* out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 1)
+    for (int t = 0; t < T; ++t) {
+        const uint16_t* g = gate_up + (int64_t)t * 2 * I;
+        uint16_t* o = out + (int64_t)t * I;
+        int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+        const __m256i round = _mm256_set1_epi32(0x7fff), lsb = _mm256_set1_epi32(1);
+        for (; i + 8 <= I; i += 8) {
+            __m256 x = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(g + i))), 16));
+            __m256 u = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(g + I + i))), 16));
+            __m256 y = _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x)))), u);
+            // round to nearest even on the bits; silu(g) * u of finite bf16 inputs is finite or +-inf
+            __m256i b = _mm256_castps_si256(y);
+            b = _mm256_add_epi32(b, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(b, 16), lsb)));
+            b = _mm256_srli_epi32(b, 16);
+            __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+            _mm_storeu_si128((__m128i*)(o + i), packed);
+        }
+#endif
+        for (; i < I; ++i) {
+            const float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(x / (1.f + std::exp(-x)) * bf16_to_f32(g[I + i]));
+        }
+    }
+}

@@ -23,6 +23,7 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self, in_features, out_features, bias)
         self.packed: PackedWeight | None = None
         self.weight_bf16: torch.Tensor | None = None  # [out, in], where the platform chose bf16 GEMMs
+        self.bf16_out = False  # bf16 products return bfloat16 (set by a module whose next product takes it)
         self._packed_shards: dict[int, PackedWeight] = {}
         self.reduce = None  # row-parallel (tensor parallelism): the all-reduce that sums the ranks' parts
 
@@ -31,6 +32,8 @@ class Linear(nn.Module):
         self.quant_method = UnquantizedLinearMethod(choices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and not self.bf16_rows(x.shape[0]):
+            x = x.float()  # a bf16 activation meeting a float32 path (e.g. layers of different GGUF kinds)
         y = self.quant_method.apply(self, x)
         return y if self.reduce is None else self.reduce(y)
 
@@ -62,6 +65,9 @@ class Linear(nn.Module):
         """Another pipeline stage computes with this layer: free every copy."""
         self.weight_t.data = torch.empty(0, 0)
         self.weight_bf16 = self.packed = None
+
+    def bf16_rows(self, rows: int) -> bool:
+        return self.quant_method.bf16_rows(self, rows)
 
     @property
     def int8_activations(self) -> bool:

@@ -53,6 +53,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, shards=2)
         self.act = SiluAndMul()
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # where both products run in bf16 (--dtype auto, many rows), gate/up's output stays bf16 through
+        # the activation into down_proj
+        self.gate_up_proj.bf16_out = True
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_up_proj(x)))
