@@ -58,6 +58,8 @@ class NativeDecoder:
         cfg = model.config
         self.fn = library().pagellm_decoder_forward
         self.model = model
+        # as many rows as the layers' own few-row limit (fewer where the platform chose bf16 GEMMs)
+        self.max_rows = model.layers[0].mlp.gate_up_proj.quant_method.max_rows
         attn0 = model.layers[0].self_attn
         self.dims = DecoderDims(cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                                 cfg.intermediate_size, cfg.sliding_window or 0,

@@ -21,7 +21,8 @@ class OpChoices:
     packed_weights_only: float copies of packed weights are freed after loading; bf16_gemm: many-row
     products (more rows than the few-row kernels take) multiply bfloat16 copies of the weights and of x with
     float32 accumulation (torch's oneDNN GEMM), where the CPU has bf16 dot products and `--dtype auto` asked
-    for the platform's choice; everything else stays float32."""
+    for the platform's choice; everything else stays float32. packed_max_rows: the most rows a product
+    takes the few-row kernels for (None: quant.formats.PACKED_MAX_ROWS, the float32 GEMM's crossover)."""
 
     native_ops: bool = False
     packed_kernels: bool = False
@@ -29,6 +30,7 @@ class OpChoices:
     int8_activations: bool = False
     packed_weights_only: bool = False
     bf16_gemm: bool = False
+    packed_max_rows: int | None = None
 
     @property
     def op_impl(self) -> str:

@@ -26,6 +26,14 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx51
              "amx_bf16", "amx_int8")
 
 
+# With bf16 GEMMs, steps of more rows than this leave the packed kernels (and the one-call decoder): oneDNN's
+# bf16 GEMM costs about the same from 1 to 16 rows while the packed kernels' float32 FMAs grow with every
+# row (gate/up 0.173 vs 0.116 ms at 4 rows, 0.666 vs 0.203 at 16; one thread on the Zen 5 VM,
+# benchmarks/microbench_few_rows.py), but the module path pays Python and separate attention calls per
+# layer. Whole decode steps on the Zen 5 VM: the packed decoder wins at 4 rows, ties at 6, bf16 is 10-15%
+# faster at 8 and ~1.6x at 16 (benchmarks/NOTES.md).
+BF16_PACKED_MAX_ROWS = 6
+
 # --kv-cache-dtype names and their cache element types, for `pagellm info`.
 _KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
                     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -119,10 +127,11 @@ class CpuPlatform(Platform):
         native = dtype == torch.float32 and self.native_kernels
         blas = native and self.openblas_gemm
         # Dropping float copies needs a many-row path over the blocks (OpenBLAS on dequantized slices).
+        bf16 = auto and dtype == torch.float32 and self.bf16_dot_products
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
                          int8_activations=native and int8_activations,
-                         packed_weights_only=blas and packed_weights_only,
-                         bf16_gemm=auto and dtype == torch.float32 and self.bf16_dot_products)
+                         packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
+                         packed_max_rows=BF16_PACKED_MAX_ROWS if bf16 else None)
 
     def auto_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """float16 where the platform chose bf16 GEMMs and the paged kernel reads float16 in place: half the

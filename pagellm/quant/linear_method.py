@@ -29,6 +29,8 @@ class LinearMethod:
         self.choices = choices or OpChoices()
         # float32 many-row products: numpy's OpenBLAS where the platform chose it, else torch's GEMM
         self.gemm = blas.matmul if self.choices.blas_gemm else torch_matmul
+        # the most rows a product takes the few-row kernels (packed blocks) or float32 for
+        self.max_rows = self.choices.packed_max_rows or PACKED_MAX_ROWS
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, bias: bool) -> None:
         layer.weight_t = nn.Parameter(torch.empty(in_features, out_features))
@@ -61,7 +63,7 @@ class LinearMethod:
 
     def bf16_rows(self, layer: nn.Module, rows: int) -> bool:
         """Whether a product of this many rows runs on the bfloat16 copy."""
-        return layer.weight_bf16 is not None and rows > PACKED_MAX_ROWS
+        return layer.weight_bf16 is not None and rows > self.max_rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -83,7 +85,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
 class GGUFBlocksLinearMethod(LinearMethod):
     """Block-format weights (every kind ops.kernel_reads): few-row products (decode, verification: at most
-    PACKED_MAX_ROWS rows) read the blocks in place through the native kernels, optionally on int8
+    `max_rows` rows) read the blocks in place through the native kernels, optionally on int8
     activations; many-row ones use the float weight, or, once it is dropped (packed_weights_only),
     dequantize 128-column slices into a cache-sized buffer for OpenBLAS (the loader's exact values, so the
     same products)."""
@@ -108,7 +110,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def bf16_rows(self, layer, rows: int) -> bool:
         # few rows read the blocks in place where a kernel reads their kind
-        few = rows <= PACKED_MAX_ROWS and self.reads_blocks(layer.packed)
+        few = rows <= self.max_rows and self.reads_blocks(layer.packed)
         return layer.weight_bf16 is not None and not few
 
     def apply(self, layer, x):
@@ -117,7 +119,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
             x = fp8_activations(x, packed.act_scale)
         if self.bf16_rows(layer, x.shape[0]):
             return self.bf16_matmul(layer, x)
-        if x.shape[0] <= PACKED_MAX_ROWS and self.reads_blocks(packed):
+        if x.shape[0] <= self.max_rows and self.reads_blocks(packed):
             xp = x if packed.perm is None else x.index_select(1, packed.perm)
             y = ops.packed_linear(xp, packed, self.choices.int8_activations)
         elif layer.weight_t.numel() == 0:  # float copy dropped
