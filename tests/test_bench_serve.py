@@ -165,3 +165,114 @@ def main_raising(argv: list[str]) -> int:
 
     ns = build_parser().parse_args(argv)
     return ns.func(ns)
+
+
+# ---- --peer: the benchmark starts the servers itself ---------------------------------------------------------
+
+def _vllm_python() -> str | None:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    python = os.environ.get("PAGELLM_VLLM_PYTHON") or os.path.join(repo, ".peers", "venv-vllm", "bin", "python")
+    return python if os.path.isfile(python) else None
+
+
+@pytest.mark.timeout(30)
+def test_url_or_peer():
+    with pytest.raises(ValueError, match="needs --url .* or --peer"):
+        main_raising(["bench", "serve"])
+    with pytest.raises(ValueError, match="takes neither --url nor --model"):
+        main_raising(["bench", "serve", "--peer", "pagellm", "--url", "http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="--serve-args '--no-such-option': not options of pagellm serve"):
+        main_raising(["bench", "serve", "--peer", "pagellm", "--serve-args=--no-such-option"])
+
+
+@pytest.mark.timeout(60)
+def test_launch_waits_boundedly_and_leaves_no_process(tmp_path):
+    from pagellm.bench.serve_launch import LaunchError, launched, stop
+
+    base = "http://127.0.0.1:1"  # nothing answers there
+    with pytest.raises(LaunchError, match="exited with code 3 before answering /health:\nboom"):
+        with launched([sys.executable, "-c", "print('boom'); raise SystemExit(3)"], dict(os.environ), base, 30):
+            pass
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"no answer on http://127.0.0.1:1/health after 1 s"):
+        with launched([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), base, 1):
+            pass
+    assert time.monotonic() - t0 < 20
+    # A server that ignores SIGTERM and has a child of its own: after the grace period the whole process
+    # group is killed, the child too.
+    pid_file = tmp_path / "child.pid"
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.time() + 20
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    stop(proc, grace=1)
+    assert proc.returncode == -9
+    deadline = time.time() + 10
+    while _alive(child):  # killed; its new parent (init or a subreaper) reaps it
+        assert time.time() < deadline, f"child {child} outlived its server"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just not reaped yet
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@pytest.mark.timeout(300)
+def test_launched_pagellm_with_vllm_skipped(tiny_hf_model, smollm_gguf_path, tmp_path, capsys):
+    model = tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=1024)
+    out_json, out_png = tmp_path / "l.json", tmp_path / "l.png"
+    missing = tmp_path / "nowhere" / "python"
+    rc = main(["bench", "serve", "--peer", "vllm", "--peer-python", str(missing), "--serve-args",
+               f"--model {model} --tokenizer {smollm_gguf_path} --kv-cache-memory 16MiB", "--num-prompts", "3",
+               "--input-len", "12", "--output-len", "4", "--json", str(out_json), "--plot", str(out_png)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert f"skipping vllm: no vLLM python at {missing} (--peer-python)" in text and "Traceback" not in text
+    assert "Serving Benchmark: launched servers" in text
+    report = json.loads(out_json.read_text())
+    assert report["mode"] == "launched" and report["skipped"][0].startswith("vllm: ") and not report["failed"]
+    [r] = report["results"]
+    assert r["server"] == "pagellm" and r["server_command"][1:4] == ["-m", "pagellm.cli", "serve"]
+    assert r["tokenizer"] == smollm_gguf_path and r["ready_s"] > 0
+    _check(r, 3, [4] * 3)
+    port = int(r["server_command"][r["server_command"].index("--port") + 1])
+    with pytest.raises(httpx.ConnectError):  # stopped
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(_vllm_python() is None, reason="no vLLM venv (PAGELLM_VLLM_PYTHON or .peers/venv-vllm)")
+@pytest.mark.timeout(900)
+def test_launched_pagellm_and_vllm(tmp_path, capsys):
+    out_json = tmp_path / "v.json"
+    rc = main(["bench", "serve", "--peer", "vllm", "--peer-python", _vllm_python(), "--serve-args",
+               "--kv-cache-memory 32MiB", "--num-prompts", "3", "--input-len", "16", "--output-len", "6",
+               "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    report = json.loads(out_json.read_text())
+    p, v = report["results"]
+    assert (p["server"], v["server"]) == ("pagellm", "vllm") and not report["skipped"]
+    for r in (p, v):
+        _check(r, 3, [6] * 3)
+        assert all(q["prompt_tokens"] == 16 for q in r["requests"])  # the same ids, counted by each server
+    assert v["server_command"][1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert "--no-enable-prefix-caching" in v["server_command"]
+    ratio = report["pagellm_over_server"]["vllm"]["output_throughput"]
+    assert ratio == pytest.approx(p["results"]["output_throughput"] / v["results"]["output_throughput"], rel=1e-2)
+    assert any(line.startswith("output throughput tok/s") and line.endswith("x") for line in text.splitlines())

@@ -5,6 +5,8 @@ arrivals (shape = burstiness; 1 is Poisson), one streaming /v1/completions reque
 `ignore_eos` and a fixed `max_tokens`, and per request TTFT (first streamed chunk), TPOT ((e2e - ttft) /
 (output_tokens - 1)), ITL (gaps between chunks) and E2E latency; goodput counts requests that meet
 every SLO given. Token counts come from the stream's usage chunk, not from counting chunks.
+With `--peer pagellm|vllm` instead of `--url`, the benchmark starts the servers itself, one after the
+other, and compares them (`pagellm.bench.serve_launch`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ LOW_TOKEN_ID = 100  # random prompts avoid the low ids, where tokenizers keep th
 
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", default=None,
+                   help="server base URL, e.g. http://127.0.0.1:8000 (or --peer: start the servers here)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="the served model's tokenizer (a .gguf file or Hugging Face directory): random prompts "
@@ -58,6 +61,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw the latencies (needs matplotlib)")
+    from pagellm.bench.serve_launch import add_launch_args
+
+    add_launch_args(p)
 
 
 @dataclass
@@ -312,28 +318,40 @@ def _print(res: dict) -> None:
     print("=" * 60)
 
 
-async def _bench(ns, slos: dict[str, float], kind: str, path: str | None) -> dict:
+async def make_requests(ns, client, base: str | None, kind: str, path: str | None,
+                        max_len: int) -> list[BenchRequest]:
+    """The workload, from --tokenizer (then no server is asked anything) or from the server's endpoints."""
+    if kind == "random":
+        lens_in, lens_out = _len_range(ns.input_len, ns.range_ratio), _len_range(ns.output_len, ns.range_ratio)
+        if lens_in[1] + lens_out[1] > max_len:
+            raise ValueError(f"input + output length up to {lens_in[1] + lens_out[1]} exceeds the server's "
+                             f"max_model_len {max_len}")
+        local = _LocalTokenizer(ns.tokenizer) if ns.tokenizer else None
+        vocab = local.tok.vocab_size if local else await _vocab_size(client, base)
+        return random_workload(ns.num_prompts, vocab, lens_in, lens_out, ns.seed, LOW_TOKEN_ID)
+    tokenizer = _LocalTokenizer(ns.tokenizer) if ns.tokenizer else _ServerTokenizer(client, base)
+    return await _sharegpt(tokenizer, path, ns.num_prompts, ns.seed, max_len)
+
+
+async def _bench(ns, slos: dict[str, float], kind: str, path: str | None, url: str | None = None,
+                 requests: list[BenchRequest] | None = None) -> dict:
+    """One run against `url` (default --url): `requests`, else a workload from make_requests."""
     import httpx
 
-    base = ns.url.rstrip("/").removesuffix("/v1")
+    base = (url or ns.url).rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     # No pool limit: a request waiting for a free connection would count the wait as TTFT.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(ns.timeout), limits=limits, headers=headers) as client:
         model, max_len = await served_model(client, base, ns.model, 1 << 30)
-        if kind == "random":
-            lens_in, lens_out = _len_range(ns.input_len, ns.range_ratio), _len_range(ns.output_len, ns.range_ratio)
-            if lens_in[1] + lens_out[1] > max_len:
-                raise ValueError(f"input + output length up to {lens_in[1] + lens_out[1]} exceeds the server's "
-                                 f"max_model_len {max_len}")
-            local = _LocalTokenizer(ns.tokenizer) if ns.tokenizer else None
-            vocab = local.tok.vocab_size if local else await _vocab_size(client, base)
-            requests = random_workload(ns.num_prompts, vocab, lens_in, lens_out, ns.seed, LOW_TOKEN_ID)
-        else:
-            tokenizer = _LocalTokenizer(ns.tokenizer) if ns.tokenizer else _ServerTokenizer(client, base)
-            requests = await _sharegpt(tokenizer, path, ns.num_prompts, ns.seed, max_len)
+        if requests is None:
+            requests = await make_requests(ns, client, base, kind, path, max_len)
+        elif (longest := max(len(r.prompt_token_ids) + r.output_len for r in requests)) > max_len:
+            raise ValueError(f"a request of {longest} tokens exceeds {base}'s max_model_len {max_len}")
         # One short request first: fails fast on a misconfigured server and warms it up, outside the timing.
-        warm = await _send(client, base, model, BenchRequest(requests[0].prompt_token_ids, 1), time.perf_counter())
+        # Its prompt is the first one reversed: the same length, but no prefix a server's cache could reuse.
+        warm_prompt = requests[0].prompt_token_ids[::-1]
+        warm = await _send(client, base, model, BenchRequest(warm_prompt, 1), time.perf_counter())
         if not warm.success:
             raise ValueError(f"the warm-up request failed: {warm.error}")
         records, duration = await _run(ns, requests, client, base, model)
@@ -355,11 +373,17 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
     kind, path = parse_dataset(ns.dataset)
     if ns.num_prompts < 1 or ns.request_rate <= 0 or ns.burstiness <= 0 or (ns.max_concurrency or 1) < 1:
         raise ValueError("--num-prompts, --request-rate, --burstiness and --max-concurrency must be positive")
+    if not ns.url and not ns.peer:
+        raise ValueError("bench serve needs --url (a running server) or --peer pagellm|vllm (start them here)")
     if ns.plot:
         import matplotlib  # noqa: F401  -- fail before the run, not after it
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     print_platform_line("cpu")  # the client's host (the server's too, where it serves on localhost)
+    if ns.peer:
+        from pagellm.bench.serve_launch import run_launched
+
+        return run_launched(ns, slos, kind, path)
     report = asyncio.run(_bench(ns, slos, kind, path))
     _print(report["results"])
     for err in sorted({r["error"] for r in report["requests"] if r["error"]})[:5]:
