@@ -1,6 +1,8 @@
 """Many-row products on q4_1 weights of SmolLM2's shapes: the float32 path (dequantized slices + numpy's
 OpenBLAS, what `--dtype float32` runs above 20 rows) against torch's bfloat16 GEMM on a bf16 copy (what
-`--dtype auto` runs on a CPU with AVX-512 BF16 / AMX). Milliseconds per product, mean of 5 after a warm-up.
+`--dtype auto` runs on a CPU with AVX-512 BF16 / AMX), the bf16 copy plain and reordered once into oneDNN's
+blocked layout (what `--dtype auto` keeps: bit-equal products). Milliseconds per product, mean of 5 after a
+warm-up; a last column at 8 rows.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/microbench_bf16_gemm.py
 """
@@ -37,11 +39,15 @@ def main() -> None:
     for n, k in [(3072, 576), (576, 1536), (960, 576), (49152, 576)]:  # gate_up, down, qkv, LM head
         w = random_q4_1(n, k, rng)
         w_bf16 = w.dequantize().to(torch.bfloat16).contiguous()
-        for m in (64, 512):
+        w_packed = torch.ops.mkldnn._reorder_linear_weight(w_bf16, 64)
+        for m in (8, 64, 512):
             x = torch.randn(m, k)
             f32 = ms(lambda x=x, w=w: blas.packed_matmul(x, w))
             bf16 = ms(lambda x=x, w_bf16=w_bf16: torch.mm(x.to(torch.bfloat16), w_bf16.t()).float())
-            print(f"N={n} K={k} M={m}: float32 {f32:.2f} ms, bfloat16 {bf16:.2f} ms -> {f32 / bf16:.2f}x")
+            pk = ms(lambda x=x, p=w_packed: torch.ops.mkldnn._linear_pointwise(
+                x.to(torch.bfloat16), p, None, "none", [], "").float())
+            print(f"N={n} K={k} M={m}: float32 {f32:.2f} ms, bfloat16 {bf16:.2f} ms -> {f32 / bf16:.2f}x; "
+                  f"bf16 prepacked {pk:.2f} ms -> {bf16 / pk:.2f}x of plain bf16")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,27 @@ def test_bf16_linear_is_within_bf16_rounding_of_the_float64_product():
     torch.testing.assert_close(few, (x[:4] @ w.t() + b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_prepacked_bf16_weights_give_the_plain_products_bit_for_bit():
+    torch.manual_seed(0)
+    w, x = torch.randn(40, 96), torch.randn(32, 96)
+    layers = []
+    for prepacked in (False, True):
+        layer = Linear(96, 40)
+        layer.configure(OpChoices(bf16_gemm=True, bf16_prepacked=prepacked))
+        with torch.no_grad():
+            layer.load_shard(0, w)
+            layer.process_after_loading()
+        layer.requires_grad_(False)
+        layers.append(layer)
+    plain, packed = layers
+    assert torch.equal(plain(x), packed(x)) and packed.weight_bf16.is_mkldnn
+    packed.bf16_out = plain.bf16_out = True
+    assert packed(x).dtype == torch.bfloat16 and torch.equal(plain(x), packed(x))
+    packed.shard(rows=torch.arange(8, 24))  # a cut after the reorder starts from the plain values again
+    assert torch.equal(packed(x), plain(x)[:, 8:24])
+
+
 @pytest.mark.slow
 def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
     from pagellm import LLM, SamplingParams

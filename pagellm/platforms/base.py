@@ -22,7 +22,9 @@ class OpChoices:
     products (more rows than the few-row kernels take) multiply bfloat16 copies of the weights and of x with
     float32 accumulation (torch's oneDNN GEMM), where the CPU has bf16 dot products and `--dtype auto` asked
     for the platform's choice; everything else stays float32. packed_max_rows: the most rows a product
-    takes the few-row kernels for (None: quant.formats.PACKED_MAX_ROWS, the float32 GEMM's crossover)."""
+    takes the few-row kernels for (None: quant.formats.PACKED_MAX_ROWS, the float32 GEMM's crossover);
+    bf16_prepacked: the bf16 copies are reordered once into oneDNN's blocked layout (torch.ops.mkldnn), so a
+    product does not reorder the weight on every call."""
 
     native_ops: bool = False
     packed_kernels: bool = False
@@ -31,6 +33,7 @@ class OpChoices:
     packed_weights_only: bool = False
     bf16_gemm: bool = False
     packed_max_rows: int | None = None
+    bf16_prepacked: bool = False
 
     @property
     def op_impl(self) -> str:

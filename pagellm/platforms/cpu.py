@@ -131,7 +131,8 @@ class CpuPlatform(Platform):
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
                          int8_activations=native and int8_activations,
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
-                         packed_max_rows=BF16_PACKED_MAX_ROWS if bf16 else None)
+                         packed_max_rows=BF16_PACKED_MAX_ROWS if bf16 else None,
+                         bf16_prepacked=bf16 and torch.backends.mkldnn.is_available())
 
     def auto_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """float16 where the platform chose bf16 GEMMs and the paged kernel reads float16 in place: half the

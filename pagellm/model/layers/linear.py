@@ -43,6 +43,8 @@ class Linear(nn.Module):
         products are partial sums, added by `reduce`; only rank 0 adds the bias). Every copy of the weight
         is cut: float [in, out], bfloat16 [out, in], packed blocks."""
         wt, bf, packed = self.weight_t, self.weight_bf16, self.packed
+        if bf is not None and bf.is_mkldnn:  # reordered for oneDNN by a product already
+            bf = bf.to_dense()
         if rows is not None:
             if wt.numel():
                 wt.data = wt.data[:, rows].contiguous()
