@@ -1,6 +1,8 @@
 """`--dtype auto` against `--dtype float32` on SmolLM2: chosen-token logprob differences while the greedy
 outputs agree, and float32's top-1 margin where they part (the figures behind tests/test_dtype_auto.py's
-bounds; the prompts are the test's).
+bounds; the prompts are the test's). Twice: all 27 prompts in one batch (decode steps of 27 rows: the bf16
+GEMMs), and at most 4 running at once (decode steps of <= 4 rows: the packed kernels, on int8 activations
+where the CPU has VNNI).
 
     .venv/bin/python benchmarks/dtype_auto_quality.py
 """
@@ -11,13 +13,12 @@ import statistics
 
 from pagellm import LLM, SamplingParams
 
+PROMPTS = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
+PROMPTS += ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
 
-def main() -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    prompts = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
-    prompts += ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
-    a = LLM(None, dtype="float32").generate(prompts, params, use_tqdm=False)
-    b = LLM(None, dtype="auto").generate(prompts, params, use_tqdm=False)
+
+def compare(a, b) -> tuple[list[float], list[float]]:
+    """(chosen-token |logprob difference| while the outputs agree, float32's top-1 margin where they part)"""
     diffs, margins = [], []
     for x, y in zip(a, b, strict=True):
         for ta, tb, la, lb in zip(x.outputs[0].token_ids, y.outputs[0].token_ids, x.outputs[0].logprobs,
@@ -27,10 +28,18 @@ def main() -> None:
                 margins.append(round(top2[0] - top2[1], 3))
                 break
             diffs.append(abs(la[ta].logprob - lb[tb].logprob))
-    diffs.sort()
-    print(f"{len(diffs)} tokens while outputs agree: median {statistics.median(diffs):.3f}, "
-          f"p90 {diffs[int(0.9 * len(diffs))]:.3f}, max {diffs[-1]:.3f} nats")
-    print(f"{len(margins)} of {len(prompts)} sequences parted; float32 top-1 margins there: {margins}")
+    return sorted(diffs), margins
+
+
+def main() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    a = LLM(None, dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    for max_num_seqs in (256, 4):
+        b = LLM(None, dtype="auto", max_num_seqs=max_num_seqs).generate(PROMPTS, params, use_tqdm=False)
+        diffs, margins = compare(a, b)
+        print(f"max_num_seqs {max_num_seqs}: {len(diffs)} tokens while outputs agree: median "
+              f"{statistics.median(diffs):.3f}, p90 {diffs[int(0.9 * len(diffs))]:.3f}, max {diffs[-1]:.3f} nats; "
+              f"{len(margins)} of {len(PROMPTS)} sequences parted; float32 top-1 margins there: {margins}")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,9 @@ class CpuPlatform(Platform):
         blas = native and self.openblas_gemm
         # Dropping float copies needs a many-row path over the blocks (OpenBLAS on dequantized slices).
         bf16 = auto and dtype == torch.float32 and self.bf16_dot_products
+        # int8 activations stay opt-in under auto too: 1.3-1.5x faster few-row products with VNNI
+        # (benchmarks/microbench_few_rows.py), but 23 of 27 greedy sequences part from float32 within 24
+        # tokens, some where float32 led by 0.37 nats, against 1 of 27 for auto's bf16 (dtype_auto_quality.py)
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
                          int8_activations=native and int8_activations,
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,

@@ -2,16 +2,21 @@
 // for the -march it was given (build.py compiles every .cpp with the same flags, so these are the other
 // files' macros too). build.py's PATHS names the bits; none set: the portable (plain C++) build. What else
 // the compiler may use when it vectorizes plain loops (AVX-512, ...) is build_info()["isa"], not a path.
-// Bits 2 and up are kept for explicit AVX-512 / VNNI / AMX kernels when they exist.
+// Bits 3 and up are kept for explicit AVX-512 / AMX kernels when they exist.
 
 // bit 0: the AVX2 + FMA SIMD kernels (simd.h, quant_linear.cpp, gemm.cpp, elementwise.cpp, attention.cpp)
 // bit 1: float16 KV cache reads and writes (F16C; attention.cpp needs AVX2 + FMA with it)
+// bit 2: int8 dot products in one instruction (vpdpbusd: AVX-VNNI or AVX-512 VNNI + VL) for the int8-activation
+//        products of quant_linear.cpp
 extern "C" int pagellm_build_features() {
     int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     bits |= 1 << 0;
 #if defined(__F16C__)
     bits |= 1 << 1;
+#endif
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    bits |= 1 << 2;
 #endif
 #endif
     return bits;

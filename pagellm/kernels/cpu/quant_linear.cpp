@@ -152,14 +152,24 @@ inline BlockQ8 prepare(const int8_t* qs) {
     return {_mm256_sign_epi8(q, q), q};
 }
 
-// Sum over the block's 32 products, as 8 int32 lanes converted to float.
-inline __m256 block_dot(const BlockQ4& w, __m256i x) {
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w.q, x), _mm256_set1_epi16(1)));
+// u8 x s8 products summed in fours into 8 int32 lanes. VNNI (AVX-VNNI, or AVX-512 VNNI with VL) does it in
+// one instruction (vpdpbusd); without it, vpmaddubsw + vpmaddwd. The sums are equal: no pair of products
+// here reaches vpmaddubsw's int16 saturation (15 * 127 * 2 for q4, 128 * 127 * 2 for q8).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
+// Sum over the block's 32 products, as 8 int32 lanes converted to float.
+inline __m256 block_dot(const BlockQ4& w, __m256i x) { return _mm256_cvtepi32_ps(dot_u8s8(w.q, x)); }
+
 inline __m256 block_dot(const BlockQ8& w, __m256i x) {
-    __m256i p = _mm256_maddubs_epi16(w.abs, _mm256_sign_epi8(x, w.q));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    return _mm256_cvtepi32_ps(dot_u8s8(w.abs, _mm256_sign_epi8(x, w.q)));
 }
 
 // R rows of quantized x against output column n: each weight block is prepared once for all R rows.
