@@ -1,0 +1,48 @@
+"""The offline workload (64 requests, prompts 32-512, outputs 16-256, ignore_eos, prefix caching off) once
+in a fresh engine with the given options (JSON), reporting wall time and the process's CPU time. On a
+shared 2-core VM the wall time swings 2-3x with other processes; with OpenMP threads sleeping instead of
+spinning (OMP_WAIT_POLICY=passive) the CPU time moves a few percent, so A/B comparisons of kernel changes
+here were made on CPU time:
+
+    OMP_WAIT_POLICY=passive env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \\
+        .venv/bin/python benchmarks/offline_cpu_time.py '{"dtype": "auto"}' [--profile]
+
+--profile: the run under cProfile with a CPU-time clock, the top functions by own CPU time.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import json
+import pstats
+import sys
+import time
+
+from pagellm import LLM, SamplingParams
+from pagellm.bench.workload import random_workload
+
+
+def main() -> None:
+    options = json.loads(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else {}
+    llm = LLM(None, enable_prefix_caching=False, **options)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # kernel build, first touches
+    wl = random_workload(64, llm.engine.model_config.vocab_size, (32, 512), (16, 256), 0)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in wl]
+
+    def run():
+        return llm.generate([r.prompt_token_ids for r in wl], params, use_tqdm=False)
+
+    if "--profile" in sys.argv:
+        prof = cProfile.Profile(time.process_time)
+        prof.runcall(run)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        return
+    t, c = time.perf_counter(), time.process_time()
+    out = run()
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    n = sum(len(o.outputs[0].token_ids) for o in out)
+    print(f"{options}: {wall:.2f} s wall, {cpu:.2f} s CPU, {n / wall:.1f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()
