@@ -17,10 +17,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.engine_front import EngineFront
 from pagellm.engine.request_stats import FinishedRequest
 from pagellm.engine.request_stream import EngineSnapshot
-from pagellm.quant.kv_cache import kv_dtype_label
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "PREFIXES"]
 
@@ -75,25 +74,14 @@ class _Histogram:
         return h
 
 
-def _cache_config_info(engine: AsyncLLMEngine) -> dict[str, str]:
-    """vLLM's cache_config_info labels (its names where pagellm has the setting), plus pagellm's own."""
-    eng = engine.engine
-    args, kv = eng.args, eng.kv_cache
-    return {"block_size": str(kv.block_size), "cache_dtype": kv_dtype_label(eng.kv_dtype),
-            "enable_prefix_caching": str(kv.enable_caching), "num_gpu_blocks": str(kv.num_blocks),
-            "num_cpu_blocks": str(kv.host_pool.num_blocks if kv.host_pool is not None else 0),
-            "kv_cache_memory": str(kv.num_blocks * eng.bytes_per_block), "preemption_mode": args.preemption_mode,
-            "swap_space_bytes": str(args.swap_space), "engine": "0"}
-
-
 class EngineMetrics:
     """The registry of one server; also the async engine's RequestObserver."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, vllm_names: bool = False):
+    def __init__(self, engine: EngineFront, model_name: str, vllm_names: bool = False):
         self.engine = engine
         self.labels = [model_name, "0"]
         self.prefixes = PREFIXES if vllm_names else PREFIXES[:1]
-        self.cache_info = _cache_config_info(engine)
+        self.cache_info = dict(engine.info.cache_info)  # vLLM's cache_config_info labels, plus pagellm's own
         max_len = engine.max_model_len
         h = self._hist = {}
 

@@ -2,10 +2,10 @@
 
 The prompt runs through the same `ModelRunner` as generation (`forward_hidden`), in chunks of the step's
 token budget, with KV blocks taken from the engine's `KVCacheManager` for the duration of the call and
-returned in a `finally` (so never leaked). It bypasses the scheduler: the server runs it in the engine's
-worker thread between two steps (`EngineJobs`), the only place the engine is touched, so a long input
-delays the running requests by its prefill time, as one unchunked prefill would. Nothing is sampled and
-nothing is published to the prefix cache.
+returned in a `finally` (so never leaked). It bypasses the scheduler: the server runs it between two steps,
+where the engine is touched (`EngineJobs` in the async engine's worker thread, or the engine core process's
+loop), so a long input delays the running requests by its prefill time, as one unchunked prefill would.
+Nothing is sampled and nothing is published to the prefix cache.
 """
 
 from __future__ import annotations
@@ -99,6 +99,17 @@ def _pooled(engine, req: Request, pooling: str, normalize: bool) -> list[float]:
     return vec.tolist()
 
 
+def run_job(job: Callable[[Any], Any], engine) -> tuple[Any, Exception | None] | None:
+    """(result, error) of job(engine); None when it should run again after the next step (the KV cache is
+    busy now, and running requests will free blocks)."""
+    try:
+        return job(engine), None
+    except KVCacheBusy as e:
+        return None if engine.has_unfinished_requests() else (None, e)
+    except Exception as e:
+        return None, e
+
+
 class EngineJobs:
     """Work run on the engine in its worker thread between steps (AsyncLLMEngine calls `run`).
     A job raising KVCacheBusy waits for the next step while requests run (they free blocks)."""
@@ -125,16 +136,11 @@ class EngineJobs:
         for job, fut in jobs:
             if fut.done():  # the client left
                 continue
-            try:
-                result, error = job(engine), None
-            except KVCacheBusy as e:
-                if engine.has_unfinished_requests():
-                    retry.append((job, fut))
-                    continue
-                result, error = None, e
-            except Exception as e:
-                result, error = None, e
-            fut.get_loop().call_soon_threadsafe(_settle, fut, result, error)
+            outcome = run_job(job, engine)
+            if outcome is None:
+                retry.append((job, fut))
+                continue
+            fut.get_loop().call_soon_threadsafe(_settle, fut, *outcome)
         if retry:
             with self._lock:
                 self._pending[:0] = retry

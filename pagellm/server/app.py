@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from pagellm import __version__
-from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.engine_front import EngineFront
 from pagellm.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from pagellm.server.common import ServerContext
 from pagellm.server.errors import APIError, install_error_handlers
@@ -129,14 +129,14 @@ async def tokenize(body: TokenizeRequest, request: Request):
 async def detokenize(body: DetokenizeRequest, request: Request):
     ctx = _ctx(request)
     ctx.check_model(body.model)
-    vocab = ctx.engine.engine.model_config.vocab_size
+    vocab = ctx.engine.info.model_config.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="tokens")
     return {"prompt": ctx.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
-def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
+def build_app(engine: EngineFront, model_names: list[str], api_key: str | None = None,
               request_timeout: float | None = None, *, enable_request_id_headers: bool = False,
               root_path: str = "", vllm_metric_names: bool = False, enable_tokenizer_info_endpoint: bool = False,
               disable_fastapi_docs: bool = False, chat: ChatSettings | None = None,

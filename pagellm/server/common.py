@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.engine_front import EngineFront
 from pagellm.engine.request_stream import (
     EngineDeadError,
     EngineStoppedError,
@@ -34,7 +34,7 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 @dataclass
 class ServerContext:
-    engine: AsyncLLMEngine
+    engine: EngineFront
     metrics: EngineMetrics
     model_names: list[str]
     api_key: str | None = None

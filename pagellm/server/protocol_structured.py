@@ -141,11 +141,11 @@ def attach(params: SamplingParams, spec: StructuredOutputsParams | None, field: 
 async def compile_structured_outputs(engine, params: SamplingParams) -> None:
     """Validate and compile a request's grammar in a worker thread, before admission: the engine then
     hits the cache (the engine loop never compiles) and an invalid spec is a 400 naming its field.
-    `engine` is the AsyncLLMEngine."""
+    `engine` is the async engine (engine/engine_front.py)."""
     if params.structured_outputs is None:
         return
     try:
-        await asyncio.to_thread(engine.engine.structured_output.validate, params)
+        await asyncio.to_thread(engine.structured_output.validate, params)
     except ValueError as e:
         raise structured_error(e, params) from None
 

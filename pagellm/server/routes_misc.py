@@ -74,7 +74,7 @@ async def tokenizer_info(request: Request):
     info = {"tokenizer_class": type(tok).__name__, "vocab_size": tok.vocab_size,
             "model_max_length": ctx.engine.max_model_len, **tok.special_tokens,
             "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-            "eos_token_ids": sorted(ctx.engine.engine.eos_token_ids)}
+            "eos_token_ids": sorted(ctx.engine.info.eos_token_ids)}
     if tok.chat_template:
         info["chat_template"] = tok.chat_template
     return info

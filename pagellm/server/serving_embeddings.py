@@ -48,7 +48,7 @@ class EmbeddingRequest(BaseModel):
 
 async def create_embedding(body: EmbeddingRequest, request: Request, ctx: ServerContext) -> dict:
     model = ctx.check_model(body.model)
-    hidden = ctx.engine.engine.model_config.hidden_size
+    hidden = ctx.engine.info.model_config.hidden_size
     if body.dimensions is not None and body.dimensions != hidden:
         raise APIError(400, f"dimensions must be {hidden} (this model's hidden size; no other is supported), "
                             f"got {body.dimensions}", param="dimensions")
