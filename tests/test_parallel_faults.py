@@ -14,7 +14,7 @@ import httpx
 import pytest
 from polling import wait_until
 from test_server import MODEL, Server
-from test_server_faults import children
+from test_server_faults import children, descendants
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed import free_port
@@ -136,12 +136,13 @@ def test_two_node_launch_on_one_machine_serves_and_stops_cleanly(tiny_path, smol
         ref = LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB").generate(
             [[5, 6, 7, 8]], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
         assert got["choices"][0]["text"] == ref.outputs[0].text
-        workers = children(server.proc.pid) | children(node1.pid)
-        assert len(workers) == 2
+        core = children(server.proc.pid)  # the engine core process: the workers are its children
+        workers = descendants(server.proc.pid) - core | children(node1.pid)
+        assert len(core) == 1 and len(workers) == 2
         server.stop()
         assert server.proc.returncode == 0, server.output()[-2000:]
         assert node1.wait(30) == 0
-        wait_until(lambda: _gone(workers), timeout=10, what="every worker gone")
+        wait_until(lambda: _gone(workers | core), timeout=10, what="every worker and the engine core gone")
     finally:
         if node1.poll() is None:
             node1.kill()
@@ -153,8 +154,9 @@ def test_a_dead_worker_makes_the_server_unhealthy_and_exit_nonzero(tiny_path, sm
                      "-pp", "2", "--served-model-name", MODEL], tmp_path / "server.log")
     try:
         assert httpx.get(server.url + "/health").status_code == 200
-        workers = children(server.proc.pid)
-        assert len(workers) == 2
+        core = children(server.proc.pid)
+        workers = descendants(server.proc.pid) - core
+        assert len(core) == 1 and len(workers) == 2
         killed = time.monotonic()
         os.kill(sorted(workers)[0], signal.SIGKILL)  # while idle: nothing is waiting on it
 
@@ -165,6 +167,6 @@ def test_a_dead_worker_makes_the_server_unhealthy_and_exit_nonzero(tiny_path, sm
                 return server.proc.poll() is not None
         wait_until(unhealthy, timeout=10, what="/health 503")
         assert server.proc.wait(20) != 0 and time.monotonic() - killed < 30
-        wait_until(lambda: _gone(workers), timeout=10, what="every worker gone")
+        wait_until(lambda: _gone(workers | core), timeout=10, what="every worker and the engine core gone")
     finally:
         server.stop()

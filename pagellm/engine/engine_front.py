@@ -180,12 +180,18 @@ class EngineFront:
             self._release(stream)
 
     # ---- step results ------------------------------------------------------------------------
+    def _output(self, item, stream: RequestStream) -> RequestOutput:
+        """A step's output for a live stream, as the stream hands it on (the core process sends less)."""
+        return item
+
     def _expire_deadlines(self) -> None:
         now = time.time()
         for stream in list(self._streams.values()):
             if stream.deadline is not None and now > stream.deadline and not stream.finished:
-                elapsed = now - stream.arrival_time
-                stream.queue.put_nowait(RequestTimeoutError(f"request timed out after {elapsed:.1f} s"))
+                error = RequestTimeoutError(f"request timed out after {now - stream.arrival_time:.1f} s")
+                if not stream.accepted.done():  # not even admitted yet (a long step): add_request raises it
+                    stream.accepted.set_exception(error)
+                stream.queue.put_nowait(error)
                 self._release(stream)
 
     def _dispatch(self, res: StepResult) -> None:
@@ -207,10 +213,11 @@ class EngineFront:
         obs, now = self.observer, res.end_time
         if obs is not None and res.num_tokens:
             obs.observe_iteration(res.num_tokens)
-        for out in res.outputs:
-            stream = self._streams.get(out.request_id)
+        for item in res.outputs:
+            stream = self._streams.get(item.request_id)
             if stream is None or stream.finished:
                 continue
+            out = self._output(item, stream)
             if stream.last_token_time is None:
                 stream.first_token_time = now
                 if obs is not None:

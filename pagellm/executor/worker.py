@@ -82,7 +82,7 @@ class WorkerSpec:
 def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int) -> None:
     """A worker process's life (started by pagellm.executor.multiproc.WorkerProcess)."""
     if os.environ.get("PAGELLM_DIE_WITH_PARENT") == "1":
-        _die_with_parent()
+        die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s pagellm rank {rank} %(levelname)s %(message)s")
     store = TCPStore(master_addr, master_port, None, False, CONNECT_TIMEOUT)
     spec: WorkerSpec = pickle.loads(store.get(SPEC_KEY))
@@ -175,8 +175,9 @@ def _serve(store: TCPStore, world: GlooGroup, transport, runner: ModelRunner, ra
             transport.send_result(result)
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies, so no worker outlives a killed engine."""
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so no worker (nor engine core process) outlives
+    a killed parent."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:

@@ -83,6 +83,8 @@ def admission_error(e: BaseException, prompt_param: str) -> BaseException:
         return APIError(503, str(e), code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineDeadError):  # died while admitting it: the server exits next
         return APIError(500, str(e), code="engine_error")
+    if isinstance(e, RequestTimeoutError):  # --request-timeout passed before the engine admitted it
+        return iteration_error(e)
     if isinstance(e, ValueError):
         return bad_request(e, prompt_param)
     return e

@@ -65,6 +65,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls (vLLM's names): hermes <tool_call>{...}</tool_call>, "
                         "llama3_json, mistral [TOOL_CALLS][...], pythonic [f(a=1)]")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine (scheduler, model, steps) in its own process, so that it and the HTTP "
+                        "front end (streaming, tokenization) do not share a GIL (default: on)")
     s.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own logging (default warning; info adds an access log)")
@@ -102,8 +105,6 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(ns: argparse.Namespace) -> int:
-    from pagellm.engine.async_engine import AsyncLLMEngine
-    from pagellm.engine.llm_engine import LLMEngine
     from pagellm.executor.multiproc import run_headless
     from pagellm.server.app import build_app
     from pagellm.server.chat_templates import load_chat_template
@@ -125,20 +126,33 @@ def serve(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     if args.node_rank > 0:  # a worker node of a multi-node deployment: no engine, no HTTP
         return run_headless((args.master_addr, args.master_port), args.nnodes, args.node_rank)
-    engine = LLMEngine(args)
-    names = ns.served_model_name or [default_model_name(ns.model, engine.model_path)]
-    async_engine = AsyncLLMEngine(engine, max_queue_len=ns.max_queue_len)
-    async_engine.log_requests = ns.log_requests
-    app = build_app(async_engine, names, api_key=api_key, request_timeout=ns.request_timeout,
-                    enable_request_id_headers=ns.enable_request_id_headers, root_path=ns.root_path,
-                    vllm_metric_names=ns.vllm_metric_names,
-                    enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
-                    disable_fastapi_docs=ns.disable_fastapi_docs, chat=chat, http=http)
-    app.state.ctx.return_tokens_as_token_ids = ns.return_tokens_as_token_ids
-    config = uvicorn_config(app, ns.host, ns.port, ns.uvicorn_log_level)
-    server = GracefulServer(config, async_engine, names[0], ns.shutdown_timeout)
+    async_engine, shutdown = start_engine(args, ns.engine_process, ns.max_queue_len)
     try:
+        names = ns.served_model_name or [default_model_name(ns.model, async_engine.info.model_path)]
+        async_engine.log_requests = ns.log_requests
+        app = build_app(async_engine, names, api_key=api_key, request_timeout=ns.request_timeout,
+                        enable_request_id_headers=ns.enable_request_id_headers, root_path=ns.root_path,
+                        vllm_metric_names=ns.vllm_metric_names,
+                        enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
+                        disable_fastapi_docs=ns.disable_fastapi_docs, chat=chat, http=http)
+        app.state.ctx.return_tokens_as_token_ids = ns.return_tokens_as_token_ids
+        config = uvicorn_config(app, ns.host, ns.port, ns.uvicorn_log_level)
+        server = GracefulServer(config, async_engine, names[0], ns.shutdown_timeout)
         server.run()
     finally:
-        engine.shutdown()  # worker processes, if any
+        shutdown()  # the engine core process and worker processes, if any
     return server.exit_code
+
+
+def start_engine(args: EngineArgs, engine_process: bool, max_queue_len: int | None):
+    """(the async engine the app drives, what stops whatever processes it started)."""
+    if engine_process:
+        from pagellm.engine.core_client import EngineProcessClient
+
+        client = EngineProcessClient.launch(args, max_queue_len=max_queue_len)
+        return client, client.shutdown
+    from pagellm.engine.async_engine import AsyncLLMEngine
+    from pagellm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(args)
+    return AsyncLLMEngine(engine, max_queue_len=max_queue_len), engine.shutdown
