@@ -121,8 +121,12 @@ class EngineMetrics:
                                      _ITERATION_BUCKETS)
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        # process_resident_memory_bytes & co. (Linux /proc): the soak benchmark reads the server's RSS here.
+        # process_resident_memory_bytes & co. (Linux /proc): the soak benchmark reads the server's RSS here;
+        # engine_core_process_* are the engine core process's (`pagellm serve`'s default), which holds the model.
         ProcessCollector(registry=self.registry)
+        core_pid = getattr(engine, "core_pid", None)
+        if core_pid is not None:
+            ProcessCollector(namespace="engine_core", pid=lambda: core_pid, registry=self.registry)
         engine.observer = self
 
     # ---- RequestObserver (event loop thread) ------------------------------------------------------

@@ -232,6 +232,8 @@ def test_the_core_exits_with_the_api_process(tiny_path, smollm_gguf_path, tmp_pa
     try:
         core = children(server.proc.pid)
         assert len(core) == 1
+        m = server.metrics()  # both processes' memory, for the soak benchmark's RSS drift
+        assert m["engine_core_process_resident_memory_bytes"] > 0 and m["process_resident_memory_bytes"] > 0
         server.proc.kill()  # no shutdown at all: the parent-death signal (and the closed channel) end the core
         server.proc.wait(10)
         wait_until(lambda: all_gone(core), timeout=10, what="the engine core process gone")

@@ -116,7 +116,8 @@ async def scrape(client, base: str) -> dict:
     r.raise_for_status()
     out: dict = {"t": time.time()}
     names = {"pagellm:num_requests_running": "running", "pagellm:num_requests_waiting": "waiting",
-             "pagellm:kv_cache_usage_perc": "kv_usage", "process_resident_memory_bytes": "rss_bytes"}
+             "pagellm:kv_cache_usage_perc": "kv_usage", "process_resident_memory_bytes": "rss_bytes",
+             "engine_core_process_resident_memory_bytes": "core_rss_bytes"}
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
             if s.name in names:
@@ -124,6 +125,8 @@ async def scrape(client, base: str) -> dict:
             elif s.name == "pagellm:cache_config_info":
                 out["num_blocks"] = int(s.labels.get("num_gpu_blocks", 0))
                 out["block_size"] = int(s.labels.get("block_size", 0))
+    if "rss_bytes" in out:  # the server's RSS: with an engine core process, both processes'
+        out["rss_bytes"] += out.pop("core_rss_bytes", 0.0)
     if "kv_usage" in out and "num_blocks" in out:
         out["blocks_in_use"] = round(out["kv_usage"] * out["num_blocks"])
     return out
