@@ -2,8 +2,9 @@
 
 A figure cannot beat what the machine can move or compute: a decode step has to stream every weight it
 uses, plus its requests' KV, from memory, and any step has to do its matmul FLOPs. Dividing those by what
-this machine measurably sustains (an fp32 GEMM, a 256 MiB read or copy) gives the fastest a figure could
-be; measured/floor says how close an engine gets (1.0 = at the roofline, >= 0.5 = within 2x).
+this machine measurably sustains (the faster of an fp32 and a bf16 GEMM: on a CPU with AVX-512 BF16 or
+AMX the bf16 one, 4-8x fp32; a 256 MiB read or copy) gives the fastest a figure could be; measured/floor
+says how close an engine gets (1.0 = at the roofline, >= 0.5 = within 2x).
 
 The FLOP counts are the model's matmuls only (norms, rotary and sampling are a few percent at most), so
 the floors are optimistic, as a floor should be. torch is imported lazily: the llama.cpp peer child
@@ -35,7 +36,8 @@ def significant(x: float, digits: int = 3) -> float:
 
 
 def measure_machine(threads: int | None = None, reps: int = 3) -> dict:
-    """fp32 GEMM GFLOP/s and memory GB/s with `threads` torch threads (about a second on 2 cores)."""
+    """fp32 and bf16 GEMM GFLOP/s (matmul_gflops: the faster) and memory GB/s with `threads` torch threads
+    (about a second on 2 cores)."""
     import torch
 
     before = torch.get_num_threads()
@@ -47,6 +49,9 @@ def measure_machine(threads: int | None = None, reps: int = 3) -> dict:
         out = torch.empty(m, n)
         torch.mm(a, b, out=out)  # the first call pays for thread-pool start-up
         gemm_s = _median_seconds(lambda: torch.mm(a, b, out=out), reps)
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        out16 = torch.mm(a16, b16)
+        bf16_s = _median_seconds(lambda: torch.mm(a16, b16, out=out16), reps)
         src = torch.ones(STREAM_BYTES // 4)
         dst = torch.empty_like(src)
         dst.copy_(src)  # first touch of dst's pages is page faults, not bandwidth
@@ -59,7 +64,9 @@ def measure_machine(threads: int | None = None, reps: int = 3) -> dict:
     read_gbps = STREAM_BYTES / read_s / 1e9
     copy_gbps = 2 * STREAM_BYTES / copy_s / 1e9  # a copy reads and writes every byte
     # The better of the two: a floor must assume the best bandwidth the machine shows.
-    return {"threads": used, "matmul_gflops": round(2 * m * k * n / gemm_s / 1e9, 2),
+    fp32, bf16 = 2 * m * k * n / gemm_s / 1e9, 2 * m * k * n / bf16_s / 1e9
+    return {"threads": used, "matmul_gflops": round(max(fp32, bf16), 2), "fp32_gemm_gflops": round(fp32, 2),
+            "bf16_gemm_gflops": round(bf16, 2),
             "read_gbps": round(read_gbps, 2), "copy_gbps": round(copy_gbps, 2),
             "memory_gbps": round(max(read_gbps, copy_gbps), 2)}
 
@@ -159,7 +166,8 @@ def decode_floor(cfg, weight_bytes: int, kv_bytes_per_token: int, prompt_len: in
 # ---------------------------------------------------------------- printing
 
 def machine_line(machine: dict) -> str:
-    return (f"roofline: {machine['threads']} threads, fp32 GEMM {machine['matmul_gflops']} GFLOP/s, "
+    return (f"roofline: {machine['threads']} threads, GEMM {machine['matmul_gflops']} GFLOP/s (fp32 "
+            f"{machine['fp32_gemm_gflops']}, bf16 {machine['bf16_gemm_gflops']}), "
             f"memory {machine['memory_gbps']} GB/s (read {machine['read_gbps']}, copy {machine['copy_gbps']})")
 
 

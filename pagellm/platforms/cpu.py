@@ -207,8 +207,10 @@ class CpuPlatform(Platform):
             "kernels": ("off" if build is None else
                         f"built for -march={build['march']}, hand-written paths {', '.join(build['paths'])}"),
             "kernel_isa": "-" if build is None else " ".join(build["isa"]) or "baseline x86-64",
-            "dtype": f"auto -> {str(dtype).removeprefix('torch.')}",
-            "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
+            "dtype": f"auto -> {str(dtype).removeprefix('torch.')}" + (
+                f" activations, bf16 GEMMs above {BF16_PACKED_MAX_ROWS} rows" if choices.bf16_gemm else ""),
+            "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()) + (
+                " (under --dtype auto: linear bfloat16 above that many rows, KV float16)" if choices.bf16_gemm else ""),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
             "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"
