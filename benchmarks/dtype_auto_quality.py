@@ -1,8 +1,8 @@
 """`--dtype auto` against `--dtype float32` on SmolLM2: chosen-token logprob differences while the greedy
 outputs agree, and float32's top-1 margin where they part (the figures behind tests/test_dtype_auto.py's
 bounds; the prompts are the test's). Twice: all 27 prompts in one batch (decode steps of 27 rows: the bf16
-GEMMs), and at most 4 running at once (decode steps of <= 4 rows: the packed kernels, on int8 activations
-where the CPU has VNNI).
+GEMMs), and at most 4 running at once (decode steps of <= 4 rows: the packed kernels in float32); then
+float32 with `--int8-activations` at most 4 at once (what few-row steps would cost if auto chose them).
 
     .venv/bin/python benchmarks/dtype_auto_quality.py
 """
@@ -34,10 +34,13 @@ def compare(a, b) -> tuple[list[float], list[float]]:
 def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     a = LLM(None, dtype="float32").generate(PROMPTS, params, use_tqdm=False)
-    for max_num_seqs in (256, 4):
-        b = LLM(None, dtype="auto", max_num_seqs=max_num_seqs).generate(PROMPTS, params, use_tqdm=False)
+    configs = [("auto, max_num_seqs 256", {"dtype": "auto", "max_num_seqs": 256}),
+               ("auto, max_num_seqs 4", {"dtype": "auto", "max_num_seqs": 4}),
+               ("float32 + int8 activations, max_num_seqs 4", {"int8_activations": True, "max_num_seqs": 4})]
+    for label, options in configs:
+        b = LLM(None, **options).generate(PROMPTS, params, use_tqdm=False)
         diffs, margins = compare(a, b)
-        print(f"max_num_seqs {max_num_seqs}: {len(diffs)} tokens while outputs agree: median "
+        print(f"{label}: {len(diffs)} tokens while outputs agree: median "
               f"{statistics.median(diffs):.3f}, p90 {diffs[int(0.9 * len(diffs))]:.3f}, max {diffs[-1]:.3f} nats; "
               f"{len(margins)} of {len(PROMPTS)} sequences parted; float32 top-1 margins there: {margins}")
 

@@ -7,7 +7,8 @@ here were made on CPU time:
     OMP_WAIT_POLICY=passive env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \\
         .venv/bin/python benchmarks/offline_cpu_time.py '{"dtype": "auto"}' [--profile]
 
---profile: the run under cProfile with a CPU-time clock, the top functions by own CPU time.
+--profile: the run under cProfile with a CPU-time clock, the top functions by own CPU time (--wall: with
+the wall clock).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> None:
         return llm.generate([r.prompt_token_ids for r in wl], params, use_tqdm=False)
 
     if "--profile" in sys.argv:
-        prof = cProfile.Profile(time.process_time)
+        prof = cProfile.Profile(time.perf_counter if "--wall" in sys.argv else time.process_time)
         prof.runcall(run)
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
         return
