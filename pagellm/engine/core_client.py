@@ -176,6 +176,14 @@ class EngineProcessClient(EngineFront):
 
     # ---- the loop ----------------------------------------------------------------------------
     async def _loop(self) -> None:
+        try:
+            await self._run_loop()
+        except Exception as e:  # a bug on this side (dispatch, metrics, a malformed message): as a dead engine,
+            # so every stream gets its error and the server exits, instead of streams waiting forever
+            self._die(e, None, "the engine front failed")
+            self._fail_jobs(EngineDeadError("the engine failed"))
+
+    async def _run_loop(self) -> None:
         while True:
             # Woken by the reader (each message, the core's exit) and by the front (adds, aborts, jobs); with
             # requests in flight, at least once a second for their deadlines even if the core is slow.
@@ -224,6 +232,9 @@ class EngineProcessClient(EngineFront):
             adds = [a for a in adds if self._picklable(a)]
             data = pickle.dumps(("work", adds, aborts, jobs, cancelled))
         self._sent_adds.update(a.request_id for a in adds)
+        # An aborted add is no longer waiting, whether or not the core reports dropping it (it does not when
+        # the abort reaches it before the add was applied): else the queue length only grows (--max-queue-len).
+        self._sent_adds.difference_update(aborts)
         self._outbox.put(data)
 
     def _picklable(self, add) -> bool:

@@ -98,7 +98,9 @@ class EngineCore:
             except Exception as e:
                 # Without its traceback: that holds this frame (and `added`, so itself) in a cycle that
                 # kept a refused request's prompt alive until the next full GC (bench soak: +20 MB each).
-                added[a.request_id] = e.with_traceback(None)
+                # Portable: the refusal may cross to the API process, where an error that does not unpickle
+                # would be taken for a dead engine.
+                added[a.request_id] = portable_error(e)
                 continue
             state = eng.requests[a.request_id]
             added[a.request_id] = (state.prompt, list(state.prompt_token_ids))
