@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 from polling import async_wait_until, wait_until
-from test_server import MODEL, Server
-from test_server_faults import all_gone, children
+from test_server import MODEL
+from test_server_faults import all_gone, children, start, wait_unhealthy
 
 from pagellm import SamplingParams
 from pagellm.config import EngineArgs
@@ -191,19 +191,8 @@ def test_outputs_cross_as_what_is_new_and_come_back_whole():
 
 # ---- through the server --------------------------------------------------------------------------
 
-def serve(tiny_path, gguf, log_dir, *extra, env=None) -> Server:
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        return Server(["--model", tiny_path, "--tokenizer", gguf, "--served-model-name", MODEL,
-                       "--kv-cache-memory", "16MiB", *extra], log_dir / "server.log")
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-
-
 def test_killing_the_core_ends_streams_with_an_error_and_the_server_exits_1(tiny_path, smollm_gguf_path, tmp_path):
-    server = serve(tiny_path, smollm_gguf_path, tmp_path)
+    server = start(tiny_path, smollm_gguf_path, tmp_path)
     try:
         (core,) = children(server.proc.pid)
         body = {"model": MODEL, "prompt": "count", "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -215,12 +204,7 @@ def test_killing_the_core_ends_streams_with_an_error_and_the_server_exits_1(tiny
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][5:])["error"]["code"] == "engine_error"
 
-        def unhealthy():
-            try:
-                return httpx.get(server.url + "/health", timeout=2).status_code == 503
-            except httpx.HTTPError:
-                return server.proc.poll() is not None
-        wait_until(unhealthy, timeout=10, what="/health 503")
+        wait_unhealthy(server)
         assert server.proc.wait(20) == 1
     finally:
         server.stop()
@@ -228,7 +212,7 @@ def test_killing_the_core_ends_streams_with_an_error_and_the_server_exits_1(tiny
 
 
 def test_the_core_exits_with_the_api_process(tiny_path, smollm_gguf_path, tmp_path):
-    server = serve(tiny_path, smollm_gguf_path, tmp_path)
+    server = start(tiny_path, smollm_gguf_path, tmp_path)
     try:
         core = children(server.proc.pid)
         assert len(core) == 1
@@ -267,7 +251,7 @@ def test_health_answers_while_a_step_holds_the_gil(mode, tiny_path, smollm_gguf_
     trigger = tmp_path / "slow-now"
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), *filter(None, [os.environ.get("PYTHONPATH")])]),
            "PAGELLM_TEST_SLOW_FILE": str(trigger)}
-    server = serve(tiny_path, smollm_gguf_path, tmp_path, mode, env=env)
+    server = start(tiny_path, smollm_gguf_path, tmp_path, mode, env=env)
     try:
         assert len(children(server.proc.pid)) == (1 if mode == "--engine-process" else 0)
         trigger.touch()

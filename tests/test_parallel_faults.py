@@ -14,7 +14,7 @@ import httpx
 import pytest
 from polling import wait_until
 from test_server import MODEL, Server
-from test_server_faults import children, descendants
+from test_server_faults import children, descendants, wait_unhealthy
 
 from pagellm import LLM, SamplingParams
 from pagellm.distributed import free_port
@@ -160,12 +160,7 @@ def test_a_dead_worker_makes_the_server_unhealthy_and_exit_nonzero(tiny_path, sm
         killed = time.monotonic()
         os.kill(sorted(workers)[0], signal.SIGKILL)  # while idle: nothing is waiting on it
 
-        def unhealthy():
-            try:
-                return httpx.get(server.url + "/health", timeout=2).status_code == 503
-            except httpx.HTTPError:
-                return server.proc.poll() is not None
-        wait_until(unhealthy, timeout=10, what="/health 503")
+        wait_unhealthy(server)
         assert server.proc.wait(20) != 0 and time.monotonic() - killed < 30
         wait_until(lambda: _gone(workers | core), timeout=10, what="every worker and the engine core gone")
     finally:

@@ -45,6 +45,16 @@ def start(tiny_path, gguf, log_dir, *extra, env=None) -> Server:
         os.environ.update(old)
 
 
+def wait_unhealthy(server: Server, timeout: float = 10) -> None:
+    """Until /health says 503 (the engine is dead) or the server has exited."""
+    def unhealthy():
+        try:
+            return httpx.get(server.url + "/health", timeout=2).status_code == 503
+        except httpx.HTTPError:
+            return server.proc.poll() is not None
+    wait_until(unhealthy, timeout=timeout, what="/health 503")
+
+
 def children(pid: int) -> set[int]:
     """Live processes whose parent is pid (from /proc)."""
     out = set()
