@@ -30,7 +30,8 @@ class PagellmEngine:
                        + (f", {spec_method} speculative decoding" if spec_method else ""))
         self.info = {"kv_bytes_per_token": eng.bytes_per_block // eng.kv_cache.block_size,
                      "kv_cache_bytes": eng.bytes_per_block * eng.kv_cache.num_blocks,
-                     "dtype": f"{eng.args.dtype} ({kv_dtype_label(eng.dtype)}), KV {kv_dtype_label(eng.kv_dtype)}"}
+                     "dtype": ("auto -> " if eng.args.dtype == "auto" else "") + kv_dtype_label(eng.dtype)
+                     + f", KV {kv_dtype_label(eng.kv_dtype)}"}
 
     def warm_up(self, prompt: list[int]) -> None:
         from pagellm.bench.throughput import warm_up_pagellm
