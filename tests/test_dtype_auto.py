@@ -40,6 +40,8 @@ def test_auto_kv_cache_is_float16_only_with_bf16_gemms_and_a_kernel_that_reads_i
     reads_f16 = p.kv_dtype_readable_natively(torch.float16)
     monkeypatch.setattr(p, "isa", [f for f in p.isa if f not in ("avx512_bf16", "amx_bf16")])
     assert p.auto_kv_dtype(torch.float32) == torch.float32  # an AVX2 machine keeps what it had
+    masked = p.op_choices(torch.float32, auto=True)  # and its float32 few-row limit, without bf16 copies
+    assert not masked.bf16_gemm and not masked.bf16_prepacked and masked.packed_max_rows is None
     monkeypatch.setattr(p, "isa", [*p.isa, "avx512_bf16"])
     assert p.auto_kv_dtype(torch.float32) == (torch.float16 if reads_f16 else torch.float32)
     monkeypatch.undo()
