@@ -32,8 +32,8 @@ class Linear(nn.Module):
         self.quant_method = UnquantizedLinearMethod(choices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and not self.bf16_rows(x.shape[0]):
-            x = x.float()  # a bf16 activation meeting a float32 path (e.g. layers of different GGUF kinds)
+        if x.dtype == torch.bfloat16 and self.quant_method.choices.bf16_gemm and not self.bf16_rows(x.shape[0]):
+            x = x.float()  # --dtype auto: a bf16 activation meeting a float32 path (layers of other GGUF kinds)
         y = self.quant_method.apply(self, x)
         return y if self.reduce is None else self.reduce(y)
 
