@@ -125,7 +125,7 @@ class TransformersEngine:
     def latency(self, prompts: list[list[int]], output_len: int) -> dict:
         t0 = time.perf_counter()
         times, new = self._generate(prompts, output_len)
-        return _latency_result(t0, times[0], times[-1], new)
+        return latency_result(t0, times[0], times[-1], new)
 
 
 class _StepTimes:
@@ -144,7 +144,7 @@ class _StepTimes:
         pass
 
 
-def _latency_result(t0: float, first: float, end: float, new: list[list[int]]) -> dict:
+def latency_result(t0: float, first: float, end: float, new: list[list[int]]) -> dict:
     """Same definitions as pagellm's `timed_latency_run`: TTFT from submission to the first token; decode tok/s
     counts the tokens after each row's first one, over the time after the first token."""
     n_out = sum(len(r) for r in new)
@@ -274,7 +274,7 @@ class LlamaCppEngine:
 
     def latency(self, prompts: list[list[int]], output_len: int) -> dict:
         t0, first, outs = self._run([(p, output_len) for p in prompts])
-        res = _latency_result(t0, min(first), time.perf_counter(), outs)
+        res = latency_result(t0, min(first), time.perf_counter(), outs)
         res["ttft_s"] = sum(f - t0 for f in first) / len(first)  # mean over requests, as pagellm's
         return res
 

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from pagellm.bench.peer_engines import PeerUnavailable, _latency_result
+from pagellm.bench.peer_engines import PeerUnavailable, latency_result
 from pagellm.bench.workload import BenchRequest
 
 ENV_PYTHON = "PAGELLM_VLLM_PYTHON"
@@ -234,7 +234,7 @@ class VllmEngine:
                 tokens[out.request_id].extend(new)
                 if out.finished:
                     end = max(end, now)
-        res = _latency_result(t0, min(first.values()), end, [tokens[rid] for rid in ids])
+        res = latency_result(t0, min(first.values()), end, [tokens[rid] for rid in ids])
         res["ttft_s"] = sum(first[rid] - t0 for rid in ids) / len(ids)  # mean over requests, as pagellm's
         return res
 

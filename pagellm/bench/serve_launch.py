@@ -147,16 +147,18 @@ def _commands(ns, serve_args: list[str], model: str, threads: int) -> dict[str, 
 def run_launched(ns: argparse.Namespace, slos: dict[str, float], kind: str, path: str | None) -> int:
     from pagellm.bench import serve
     from pagellm.bench.report import write_json
-    from pagellm.cli import build_parser
     from pagellm.config import EngineArgs
     from pagellm.model.loader import load_config, resolve_model_path
+    from pagellm.server.launch import add_serve_parser
 
     if ns.url or ns.model:
         raise ValueError("--peer starts the servers here: it takes neither --url nor --model (the model is "
                          "--serve-args' --model, vLLM's --peer-model)")
     serve_args = shlex.split(ns.serve_args)
+    parser = argparse.ArgumentParser(prog="pagellm")
+    add_serve_parser(parser.add_subparsers())  # `pagellm serve`'s own parser (cli.py, the top, is not imported)
     try:  # what `pagellm serve` will make of them (argparse prints why not)
-        engine_args = EngineArgs.from_cli_args(build_parser().parse_args(["serve", *serve_args]))
+        engine_args = EngineArgs.from_cli_args(parser.parse_args(["serve", *serve_args]))
     except SystemExit:
         raise ValueError(f"--serve-args {ns.serve_args!r}: not options of pagellm serve") from None
     model = resolve_model_path(engine_args.model)
