@@ -2,8 +2,8 @@
 (torch._int_mm, VNNI) with per-row activation scales and per-output-channel weight scales, against
 `--dtype float32` on the prompts of tests/test_dtype_auto.py. `skip_down` keeps the down projection (whose
 input carries the largest outliers) in bf16. Prints logprob differences while the greedy outputs agree
-and float32's top-1 margins where they part. The GEMMs themselves run 1.7-2x bf16 here
-(benchmarks/microbench_bf16_gemm.py's shapes with torch._int_mm), but the quality ruled it out.
+and float32's top-1 margins where they part. The GEMMs themselves run 1.8-2.5x bf16 at 512 rows on the
+Zen 5 VM (benchmarks/microbench_bf16_gemm.py's int8 column), but the quality ruled them out.
 
     .venv/bin/python benchmarks/int8_gemm_quality.py all|skip_down
 """

@@ -1,8 +1,9 @@
 """Many-row products on q4_1 weights of SmolLM2's shapes: the float32 path (dequantized slices + numpy's
 OpenBLAS, what `--dtype float32` runs above 20 rows) against torch's bfloat16 GEMM on a bf16 copy (what
 `--dtype auto` runs on a CPU with AVX-512 BF16 / AMX), the bf16 copy plain and reordered once into oneDNN's
-blocked layout (what `--dtype auto` keeps: bit-equal products). Milliseconds per product, mean of 5 after a
-warm-up; a last column at 8 rows.
+blocked layout (what `--dtype auto` keeps: bit-equal products), and int8 x int8 -> int32 (torch._int_mm, VNNI:
+what W8A8 products would run at; `benchmarks/int8_gemm_quality.py` says why they are not used). Milliseconds
+per product, mean of 5 after a warm-up.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/microbench_bf16_gemm.py
 """
@@ -46,8 +47,12 @@ def main() -> None:
             bf16 = ms(lambda x=x, w_bf16=w_bf16: torch.mm(x.to(torch.bfloat16), w_bf16.t()).float())
             pk = ms(lambda x=x, p=w_packed: torch.ops.mkldnn._linear_pointwise(
                 x.to(torch.bfloat16), p, None, "none", [], "").float())
+            xi = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+            wi = torch.randint(-127, 128, (k, n), dtype=torch.int8)
+            i8 = ms(lambda xi=xi, wi=wi: torch._int_mm(xi, wi))
             print(f"N={n} K={k} M={m}: float32 {f32:.2f} ms, bfloat16 {bf16:.2f} ms -> {f32 / bf16:.2f}x; "
-                  f"bf16 prepacked {pk:.2f} ms -> {bf16 / pk:.2f}x of plain bf16")
+                  f"bf16 prepacked {pk:.2f} ms -> {bf16 / pk:.2f}x of plain bf16; int8 {i8:.2f} ms -> "
+                  f"{bf16 / i8:.2f}x of plain bf16")
 
 
 if __name__ == "__main__":

@@ -8,20 +8,16 @@ three rounds of ten). Where bf16 wins is the platform's few-row limit under `--d
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
 import torch
 
 from pagellm.kernels import ops
-from pagellm.quant.formats import FORMATS, pack_gguf_blocks
 
-
-def random_q4_1(n: int, k: int, rng: np.random.Generator):
-    b = rng.integers(0, 256, size=(n * k // 32, FORMATS["q4_1"]), dtype=np.uint8)
-    b[:, 0:2] = np.float16(rng.uniform(0.001, 0.1, size=(len(b), 1))).view(np.uint8)
-    b[:, 2:4] = np.float16(rng.uniform(-0.5, 0.1, size=(len(b), 1))).view(np.uint8)
-    return pack_gguf_blocks("q4_1", b, (n, k))
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from microbench_bf16_gemm import random_q4_1  # noqa: E402
 
 
 def cpu_ms(fn, reps: int = 10) -> float:

@@ -3,8 +3,8 @@
 A figure cannot beat what the machine can move or compute: a decode step has to stream every weight it
 uses, plus its requests' KV, from memory, and any step has to do its matmul FLOPs. Dividing those by what
 this machine measurably sustains (the faster of an fp32 and a bf16 GEMM: on a CPU with AVX-512 BF16 or
-AMX the bf16 one, 4-8x fp32; a 256 MiB read or copy) gives the fastest a figure could be; measured/floor
-says how close an engine gets (1.0 = at the roofline, >= 0.5 = within 2x).
+AMX the bf16 one, 4.3-4.5x fp32 on the Zen 5 VM; a 256 MiB read or copy) gives the fastest a figure
+could be; measured/floor says how close an engine gets (1.0 = at the roofline, >= 0.5 = within 2x).
 
 The FLOP counts are the model's matmuls only (norms, rotary and sampling are a few percent at most), so
 the floors are optimistic, as a floor should be. torch is imported lazily: the llama.cpp peer child

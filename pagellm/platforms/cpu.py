@@ -126,11 +126,11 @@ class CpuPlatform(Platform):
                    packed_weights_only: bool = True, auto: bool = False) -> OpChoices:
         native = dtype == torch.float32 and self.native_kernels
         blas = native and self.openblas_gemm
-        # Dropping float copies needs a many-row path over the blocks (OpenBLAS on dequantized slices).
         bf16 = auto and dtype == torch.float32 and self.bf16_dot_products
         # int8 activations stay opt-in under auto too: 1.3-1.5x faster few-row products with VNNI
         # (benchmarks/microbench_few_rows.py), but 23 of 27 greedy sequences part from float32 within 24
-        # tokens, some where float32 led by 0.37 nats, against 1 of 27 for auto's bf16 (dtype_auto_quality.py)
+        # tokens, some where float32 led by 0.37 nats, against 1 of 27 for auto's bf16 (dtype_auto_quality.py).
+        # Dropping float copies needs a many-row path over the blocks (OpenBLAS on dequantized slices).
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
                          int8_activations=native and int8_activations,
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
@@ -209,8 +209,7 @@ class CpuPlatform(Platform):
             "kernel_isa": "-" if build is None else " ".join(build["isa"]) or "baseline x86-64",
             "dtype": f"auto -> {str(dtype).removeprefix('torch.')}" + (
                 f" activations, bf16 GEMMs above {BF16_PACKED_MAX_ROWS} rows" if choices.bf16_gemm else ""),
-            "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()) + (
-                " (under --dtype auto: linear bfloat16 above that many rows, KV float16)" if choices.bf16_gemm else ""),
+            "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
             "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"

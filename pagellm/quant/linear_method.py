@@ -57,10 +57,9 @@ class LinearMethod:
         over its widest activations. x may come in bfloat16 already (the down projection)."""
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.choices.bf16_prepacked:
-            # The same products bit for bit, without oneDNN reordering the weight at every call: ~0.05 ms
-            # per product, 40% at 8 rows, 10-20% at 32-64, 20-45% on the LM head
-            # (benchmarks/microbench_bf16_gemm.py). Reordered at the first product, i.e. after any
-            # tensor-parallel cut of the plain copy.
+            # The same products bit for bit, without oneDNN reordering the weight at every call: 1.5-1.8x
+            # at 8 rows, 1.25-1.3x at 64, 1.05-1.15x at 512 (benchmarks/microbench_bf16_gemm.py on the
+            # Zen 5 VM). Reordered at the first product, i.e. after any tensor-parallel cut of the plain copy.
             if not layer.weight_bf16.is_mkldnn:
                 layer.weight_bf16 = torch.ops.mkldnn._reorder_linear_weight(layer.weight_bf16, 64)
             y = torch.ops.mkldnn._linear_pointwise(xb, layer.weight_bf16, None, "none", [], "")
@@ -118,18 +117,21 @@ class GGUFBlocksLinearMethod(LinearMethod):
     def float_weight(self, layer) -> torch.Tensor:
         return layer.packed.dequantize()
 
+    def few_rows(self, layer, rows: int) -> bool:
+        """Whether a product of this many rows reads the blocks in place (a kernel reads their kind)."""
+        return rows <= self.max_rows and self.reads_blocks(layer.packed)
+
     def bf16_rows(self, layer, rows: int) -> bool:
-        # few rows read the blocks in place where a kernel reads their kind
-        few = rows <= self.max_rows and self.reads_blocks(layer.packed)
-        return layer.weight_bf16 is not None and not few
+        return layer.weight_bf16 is not None and not self.few_rows(layer, rows)
 
     def apply(self, layer, x):
         packed: PackedWeight = layer.packed
         if packed.act_fp8:
             x = fp8_activations(x, packed.act_scale)
-        if self.bf16_rows(layer, x.shape[0]):
+        few = self.few_rows(layer, x.shape[0])
+        if layer.weight_bf16 is not None and not few:
             return self.bf16_matmul(layer, x)
-        if x.shape[0] <= self.max_rows and self.reads_blocks(packed):
+        if few:
             xp = x if packed.perm is None else x.index_select(1, packed.perm)
             y = ops.packed_linear(xp, packed, self.choices.int8_activations)
         elif layer.weight_t.numel() == 0:  # float copy dropped
