@@ -128,7 +128,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv_cache, args.preemption_mode)
         self.max_model_len = sched_cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
-        backend = get_attention_backend(args.attention_backend, platform, kv_dtype, dtype)
+        backend = get_attention_backend(args.attention_backend, platform, kv_dtype, dtype, args.dtype == "auto")
         self.model = self.runner = None  # in this process only with the "uni" executor
         if args.executor_backend == "uni":
             self.model = get_model(path, cfg, platform, dtype, self.device, args.int8_activations,

@@ -144,7 +144,8 @@ def _build(spec: WorkerSpec, rank: int, local_ranks: int) -> tuple[ModelRunner, 
                       quantization=args.quantization, quantization_group_size=args.quantization_group_size)
     shard_model(model, info)
     platform.release_free_memory()  # the whole model was loaded; this rank keeps its share
-    backend = get_attention_backend(args.attention_backend, platform, spec.kv_dtype, spec.dtype)
+    backend = get_attention_backend(args.attention_backend, platform, spec.kv_dtype, spec.dtype,
+                                    args.dtype == "auto")
     runner = ModelRunner(model, spec.num_blocks, args.block_size, spec.kv_dtype, device, backend, platform,
                          num_host_blocks=spec.num_host_blocks)
     return runner, info

@@ -40,7 +40,7 @@ ISA_MACROS = ["AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512B
               "AMX_TILE", "AMX_BF16", "AMX_INT8"]
 # Bit i of pagellm_build_features() (cpu/features.cpp): the hand-written kernel paths compiled into the
 # library (AVX2+FMA, F16C, VNNI; the compiler may still auto-vectorize plain loops for any ISA in "isa").
-PATHS = ["avx2-fma", "f16c-kv", "vnni-int8"]
+PATHS = ["avx2-fma", "f16c-kv", "vnni-int8", "avx512-bf16-prefill-attention"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -63,6 +63,9 @@ SIGNATURES = {
     "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p, _i32], _i32),
     "pagellm_paged_attention": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _p, _p, _i32, _f32,
                                  _p, _i32, _i32], _i32),
+    # q, ldq, nq, H, D, kv, num_blocks, block_size, KV, table, seq_len, scale, out, ldo, threads, kv format
+    "pagellm_prefill_attention_bf16": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _f32, _p, _i64,
+                                        _i32, _i32], _i32),
     "pagellm_add_rmsnorm": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "pagellm_rope": ([_p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32], None),
     "pagellm_silu_mul": ([_p, _i32, _i32, _p, _i32], None),

@@ -124,3 +124,24 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         raise ValueError(f"paged_attention kernel: unsupported shape or KV dtype (heads {h}, kv heads {num_kv}, "
                          f"head_dim {d}, {kv_cache.dtype})")
     return out
+
+
+def has_bf16_prefill_attention() -> bool:
+    """Whether the loaded kernels include the bf16 prefill attention (AVX-512 BF16 builds: kernel path bit 3)."""
+    return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 3 & 1)
+
+
+def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
+                           scale: float) -> torch.Tensor | None:
+    """Causal attention of one request's newest q.shape[0] positions (q: [n, H, D], rows may be strided) over
+    its keys 0..seq_len-1 in the paged cache, in bf16 with float32 sums (cpu/prefill_attention.cpp); None where
+    the kernel does not take this shape or KV dtype (D not a multiple of 64, int8/fp8 caches)."""
+    n, h, d = q.shape
+    _, num_blocks, block_size, num_kv, _ = kv_cache.shape
+    if kv_cache.dtype not in (torch.float32, torch.float16) or q.stride(2) != 1 or q.stride(1) != d:
+        return None
+    out = torch.empty(n, h, d, dtype=torch.float32)
+    rc = library().pagellm_prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), n, h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv, table.data_ptr(),
+        seq_len, scale, out.data_ptr(), h * d, torch.get_num_threads(), kv_format_code(kv_cache.dtype))
+    return None if rc else out

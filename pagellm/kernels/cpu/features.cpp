@@ -2,12 +2,12 @@
 // for the -march it was given (build.py compiles every .cpp with the same flags, so these are the other
 // files' macros too). build.py's PATHS names the bits; none set: the portable (plain C++) build. What else
 // the compiler may use when it vectorizes plain loops (AVX-512, ...) is build_info()["isa"], not a path.
-// Bits 3 and up are kept for explicit AVX-512 / AMX kernels when they exist.
 
 // bit 0: the AVX2 + FMA SIMD kernels (simd.h, quant_linear.cpp, gemm.cpp, elementwise.cpp, attention.cpp)
 // bit 1: float16 KV cache reads and writes (F16C; attention.cpp needs AVX2 + FMA with it)
 // bit 2: int8 dot products in one instruction (vpdpbusd: AVX-VNNI or AVX-512 VNNI + VL) for the int8-activation
 //        products of quant_linear.cpp
+// bit 3: bf16 flash attention for prefill chunks (AVX-512 F/BW/BF16 with the AVX2 path; prefill_attention.cpp)
 extern "C" int pagellm_build_features() {
     int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -17,6 +17,9 @@ extern "C" int pagellm_build_features() {
 #endif
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
     bits |= 1 << 2;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__)
+    bits |= 1 << 3;
 #endif
 #endif
     return bits;

@@ -1,8 +1,10 @@
 """Paged attention through the native CPU kernel: each query row reads its request's KV blocks in
 place (no gather into a padded copy), all rows of the step in one call, parallel over rows and heads.
 
-Requests with many new rows (long prefill chunks) go through the reference SDPA path instead: the
-kernel scores one query row at a time, which flash attention's blocking beats once rows are many.
+Requests with many new rows (long prefill chunks) go elsewhere: the kernel scores one query row at a time,
+which flash attention's blocking beats once rows are many. Under `--dtype auto` on a CPU with AVX-512 BF16
+(`bf16_prefill`, the platform's choice) they go through the bf16 flash-attention kernel (3-5x torch's float32
+SDPA on a 2048-token prompt, benchmarks/NOTES.md); otherwise through the reference SDPA path.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ class CpuPagedAttention(AttentionBackend):
     name = "cpu_paged"
     max_native_queries = ops.PAGED_ATTENTION_MAX_QUERIES  # new rows per request up to which the kernel serves it
 
-    def __init__(self):
+    def __init__(self, bf16_prefill: bool = False):
         self._reference = TorchSdpaReferenceAttention()
+        self.bf16_prefill = bf16_prefill
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         if q.shape[-1] % 8:  # the kernel works in 8-float vectors (the platform chose it for the dtypes)
@@ -30,7 +33,7 @@ class CpuPagedAttention(AttentionBackend):
         if not long:
             return ops.paged_attention(q, kv_cache, meta.block_tables, meta.row_seq, meta.positions,
                                        meta.sliding_window, scale)
-        out = self._reference.attend(q, kv_cache, meta, scale, long)
+        out = self._long_requests(q, kv_cache, meta, scale, long)
         short = [r for i in range(meta.num_reqs) if i not in long for r in range(starts[i], starts[i + 1])]
         if short:
             rows = torch.tensor(short)
@@ -38,4 +41,23 @@ class CpuPagedAttention(AttentionBackend):
                                     meta.row_seq.index_select(0, rows), meta.positions.index_select(0, rows),
                                     meta.sliding_window, scale)
             out.index_copy_(0, rows, o)
+        return out
+
+    def _long_requests(self, q, kv_cache, meta: AttentionMetadata, scale: float, long: list[int]) -> torch.Tensor:
+        """The output rows of the requests in `long` (other rows left unset)."""
+        if not self.bf16_prefill or meta.sliding_window is not None:
+            return self._reference.attend(q, kv_cache, meta, scale, long)
+        out = torch.empty_like(q)
+        starts, rest = meta.query_start_loc, []
+        for i in long:
+            o = ops.prefill_attention_bf16(q[starts[i]:starts[i + 1]], kv_cache, meta.block_tables[i],
+                                           meta.seq_lens[i], scale)
+            if o is None:  # a shape or KV dtype the kernel does not take
+                rest.append(i)
+            else:
+                out[starts[i]:starts[i + 1]] = o
+        if rest:
+            ref = self._reference.attend(q, kv_cache, meta, scale, rest)
+            for i in rest:
+                out[starts[i]:starts[i + 1]] = ref[starts[i]:starts[i + 1]]
         return out

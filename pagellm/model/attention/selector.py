@@ -34,7 +34,8 @@ def canonical_backend_name(name: str) -> str:
 
 
 def get_attention_backend(name: str, platform, kv_dtype: torch.dtype = torch.float32,
-                          compute_dtype: torch.dtype = torch.float32) -> AttentionBackend:
+                          compute_dtype: torch.dtype = torch.float32, auto_dtype: bool = False) -> AttentionBackend:
+    """auto_dtype: `--dtype auto` asked for the platform's choice (bf16 prefill attention where it has it)."""
     name = platform.attention_backend(canonical_backend_name(name), kv_dtype, compute_dtype)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {list(BACKEND_NAMES)} (or the old names "
@@ -44,4 +45,7 @@ def get_attention_backend(name: str, platform, kv_dtype: torch.dtype = torch.flo
                          f"dtype they read; here: compute {compute_dtype}, KV {kv_dtype} "
                          f"(kernels {'on' if getattr(platform, 'native_kernels', False) else 'off'})")
     module, cls = BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)()
+    backend = getattr(importlib.import_module(module), cls)
+    if name == "cpu_paged":
+        return backend(bf16_prefill=platform.bf16_prefill_attention(auto_dtype, kv_dtype))
+    return backend()

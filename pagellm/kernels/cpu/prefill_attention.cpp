@@ -1,0 +1,224 @@
+// Causal flash attention for one request's prefill chunk in bfloat16 with float32 accumulation (AVX-512
+// BF16: vdpbf16ps, 32 products per instruction), reading the paged KV cache (float32 or float16).
+//
+// Why a kernel of our own: torch's CPU flash attention runs ~115 GFLOP/s here in float32 and no faster in
+// bf16 (no AMX), and bf16 matmuls through oneDNN leave the scores in bf16 and the [queries, keys] matrix in
+// memory. Here the scores never leave registers: per work item (one query head, a block of ROWS query rows)
+// the keys are walked 32 at a time, with an online softmax (running max and sum per row).
+//
+// Layouts (built once per call, per KV head, from the paged cache, zero-padded to whole 32-key steps):
+//   K: [tile of 16 keys][D/2 pairs][16 keys][2]  one vector = one pair of dimensions of 16 keys, so a
+//      broadcast pair of a query row times it accumulates 16 scores (no horizontal sums);
+//   V: [key pair][D][2]                          one vector = 16 dimensions of two keys, so a broadcast pair
+//      of probabilities times it accumulates 16 output dimensions.
+// The probabilities are rounded to bf16 before P.V (as every bf16 flash attention does); the running max,
+// the sums and the output stay float32. Tolerance against float32 SDPA: tests/test_prefill_attention.py.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kv_format.h"
+
+// The same condition as bit 3 of pagellm_build_features (features.cpp).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(PAGELLM_SIMD_ATTENTION)
+#define PAGELLM_BF16_ATTENTION 1
+#endif
+
+#ifdef PAGELLM_BF16_ATTENTION
+namespace {
+
+constexpr int ROWS = 8;   // query rows per work item: 2 x ROWS score accumulators
+constexpr int STEP = 32;  // keys per step: two 16-lane tiles
+
+inline uint16_t bf16_bits(float x) {  // round to nearest even (finite inputs)
+    const uint32_t u = f32_bits(x);
+    return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+inline __m512i as_si(__m512bh x) { return reinterpret_cast<__m512i&>(x); }
+
+// exp for 16 floats (exp8's polynomial, simd.h).
+inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+template <typename T>
+inline void row_to_floats(const T* src, float* dst, int D) {
+    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+}
+
+struct Packed {
+    std::vector<uint32_t> k, v;  // bf16 pairs as 32-bit words
+    int64_t steps, k_head, v_head;  // per KV head: words of K, of V
+};
+
+// K and V of keys 0..seq_len-1 of every KV head in the layouts above.
+template <typename T>
+Packed pack_kv(const T* kv, int64_t plane, int64_t stride, int block_size, const int64_t* table, int64_t seq_len,
+               int KV, int D, int nthreads) {
+    Packed p;
+    p.steps = (seq_len + STEP - 1) / STEP;
+    const int64_t keys = p.steps * STEP, pairs = D / 2;
+    p.k_head = keys * pairs;
+    p.v_head = keys / 2 * D;
+    p.k.assign(KV * p.k_head, 0);
+    p.v.assign(KV * p.v_head, 0);
+    const int64_t tiles = keys / 16;
+#pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static)
+    for (int h = 0; h < KV; ++h)
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            float row[2][512];
+            uint32_t* kt = p.k.data() + h * p.k_head + tile * 16 * pairs;
+            uint32_t* vt = p.v.data() + h * p.v_head + tile * 8 * D;
+            for (int lane = 0; lane < 16; lane += 2) {
+                for (int e = 0; e < 2; ++e) {
+                    const int64_t j = tile * 16 + lane + e;
+                    if (j < seq_len) {
+                        const int64_t off = (table[j / block_size] * block_size + j % block_size) * stride + h * D;
+                        row_to_floats(kv + off, row[0] + 256 * e, D);
+                        row_to_floats(kv + plane + off, row[1] + 256 * e, D);
+                    } else {
+                        std::memset(row[0] + 256 * e, 0, sizeof(float) * D);
+                        std::memset(row[1] + 256 * e, 0, sizeof(float) * D);
+                    }
+                }
+                for (int e = 0; e < 2; ++e)
+                    for (int dp = 0; dp < pairs; ++dp)
+                        kt[dp * 16 + lane + e] = bf16_bits(row[0][256 * e + 2 * dp]) |
+                                                 (uint32_t)bf16_bits(row[0][256 * e + 2 * dp + 1]) << 16;
+                uint32_t* vp = vt + lane / 2 * D;
+                for (int d = 0; d < D; ++d) vp[d] = bf16_bits(row[1][d]) | (uint32_t)bf16_bits(row[1][256 + d]) << 16;
+            }
+        }
+    return p;
+}
+
+// One work item: query head `head`, rows r0..r0+n-1 (n <= ROWS) at positions first_pos + r.
+void attend_rows(const float* q, int64_t ldq, float* out, int64_t ldo, int head, int kv_head, int D, int r0, int n,
+                 int64_t first_pos, const Packed& p, float scale) {
+    const int pairs = D / 2;
+    alignas(64) uint32_t qb[ROWS][128];
+    alignas(64) uint32_t pb[ROWS][16];
+    alignas(64) float o[ROWS][256];
+    float m[ROWS], alpha[ROWS];
+    __m512 l[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+        const float* qr = q + (int64_t)(r0 + (r < n ? r : 0)) * ldq + (int64_t)head * D;
+        for (int dp = 0; dp < pairs; ++dp) qb[r][dp] = bf16_bits(qr[2 * dp]) | (uint32_t)bf16_bits(qr[2 * dp + 1]) << 16;
+        std::memset(o[r], 0, sizeof(float) * D);
+        m[r] = -INFINITY;
+        l[r] = _mm512_setzero_ps();
+    }
+    const int64_t last = first_pos + r0 + n - 1;  // the block's last row sees keys 0..last
+    const uint32_t* kh = p.k.data() + kv_head * p.k_head;
+    const uint32_t* vh = p.v.data() + kv_head * p.v_head;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t key0 = 0; key0 <= last; key0 += STEP) {
+        __m512 s[ROWS][2];
+        for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+        const uint32_t* k0 = kh + key0 * pairs;
+        const uint32_t* k1 = k0 + 16 * pairs;
+        for (int dp = 0; dp < pairs; ++dp) {
+            const __m512bh a = as_bh(_mm512_loadu_si512(k0 + dp * 16)), b = as_bh(_mm512_loadu_si512(k1 + dp * 16));
+            for (int r = 0; r < ROWS; ++r) {
+                const __m512bh x = as_bh(_mm512_set1_epi32((int)qb[r][dp]));
+                s[r][0] = _mm512_dpbf16_ps(s[r][0], x, a);
+                s[r][1] = _mm512_dpbf16_ps(s[r][1], x, b);
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            // keys key0 + lane (+16) visible to row r: those <= its position (padding keys are beyond it)
+            const __m512i limit = _mm512_set1_epi32((int)(first_pos + r0 + r - key0));
+            const __mmask16 v0 = _mm512_cmple_epi32_mask(iota, limit);
+            const __mmask16 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16)), limit);
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            const __m512 a = _mm512_mask_mul_ps(ninf, v0, s[r][0], _mm512_set1_ps(scale));
+            const __m512 b = _mm512_mask_mul_ps(ninf, v1, s[r][1], _mm512_set1_ps(scale));
+            const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+            alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mx);  // row r's keys start at 0: mx is finite
+            m[r] = mx;
+            const __m512 pa = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(a, _mm512_set1_ps(mx))));
+            const __m512 pbv = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(b, _mm512_set1_ps(mx))));
+            l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(pa, pbv));
+            _mm512_store_si512(pb[r], as_si(_mm512_cvtne2ps_pbh(pbv, pa)));  // keys 0-15 low, 16-31 high
+        }
+        const uint32_t* vs = vh + key0 / 2 * D;
+        for (int r = 0; r < ROWS; r += 4)
+            for (int c = 0; c < D; c += 64) {
+                __m512 acc[4][4];
+                for (int i = 0; i < 4; ++i)
+                    for (int j = 0; j < 4; ++j)
+                        acc[i][j] = _mm512_mul_ps(_mm512_load_ps(o[r + i] + c + 16 * j), _mm512_set1_ps(alpha[r + i]));
+                for (int jp = 0; jp < STEP / 2; ++jp) {
+                    const uint32_t* vp = vs + jp * D + c;
+                    __m512bh v[4];
+                    for (int j = 0; j < 4; ++j) v[j] = as_bh(_mm512_loadu_si512(vp + 16 * j));
+                    for (int i = 0; i < 4; ++i) {
+                        const __m512bh x = as_bh(_mm512_set1_epi32((int)pb[r + i][jp]));
+                        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], x, v[j]);
+                    }
+                }
+                for (int i = 0; i < 4; ++i)
+                    for (int j = 0; j < 4; ++j) _mm512_store_ps(o[r + i] + c + 16 * j, acc[i][j]);
+            }
+    }
+    for (int r = 0; r < n; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+        float* dst = out + (int64_t)(r0 + r) * ldo + (int64_t)head * D;
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(o[r] + d), inv));
+    }
+}
+
+template <typename T>
+void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const T* kv, int64_t num_blocks,
+                       int block_size, int KV, const int64_t* table, int64_t seq_len, float scale, float* out,
+                       int64_t ldo, int nthreads) {
+    const int64_t stride = (int64_t)KV * D, plane = num_blocks * block_size * stride;
+    const Packed p = pack_kv(kv, plane, stride, block_size, table, seq_len, KV, D, nthreads);
+    const int blocks = (nq + ROWS - 1) / ROWS, G = H / KV;
+    const int64_t first_pos = seq_len - nq;
+    // The last row blocks see the most keys: hand them out first, so the threads finish together.
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < (int64_t)blocks * H; ++item) {
+        const int b = blocks - 1 - (int)(item / H), head = (int)(item % H);
+        const int r0 = b * ROWS;
+        attend_rows(q, ldq, out, ldo, head, head / G, D, r0, std::min(ROWS, nq - r0), first_pos, p, scale);
+    }
+}
+
+}  // namespace
+#endif
+
+// q: [nq, H, D] float32 (row stride ldq), the request's newest nq positions seq_len - nq .. seq_len - 1;
+// out: [nq, H, D] (row stride ldo). kv: the paged cache [2, num_blocks, block_size, KV, D] (kv_format
+// float32 or float16), table: the request's block ids. Returns 0, or -1 where this build has no bf16 kernel
+// or the shape or format is not one it takes (D a multiple of 64 up to 256, H % KV, float32/float16).
+extern "C" int pagellm_prefill_attention_bf16(const float* q, int64_t ldq, int nq, int H, int D, const void* kv,
+                                              int64_t num_blocks, int block_size, int KV, const int64_t* table,
+                                              int64_t seq_len, float scale, float* out, int64_t ldo, int nthreads,
+                                              int kv_format) {
+#ifdef PAGELLM_BF16_ATTENTION
+    if (D % 64 || D > 256 || H % KV || nq < 1 || nq > seq_len) return -1;
+    if (kv_format == KV_F32)
+        prefill_attention(q, ldq, nq, H, D, static_cast<const float*>(kv), num_blocks, block_size, KV, table, seq_len,
+                          scale, out, ldo, nthreads);
+    else if (kv_format == KV_F16)
+        prefill_attention(q, ldq, nq, H, D, static_cast<const uint16_t*>(kv), num_blocks, block_size, KV, table,
+                          seq_len, scale, out, ldo, nthreads);
+    else
+        return -1;
+    return 0;
+#else
+    (void)q, (void)ldq, (void)nq, (void)H, (void)D, (void)kv, (void)num_blocks, (void)block_size, (void)KV;
+    (void)table, (void)seq_len, (void)scale, (void)out, (void)ldo, (void)nthreads, (void)kv_format;
+    return -1;
+#endif
+}
