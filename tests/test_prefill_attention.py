@@ -88,8 +88,9 @@ def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smol
     assert getattr(backend, "bf16_prefill", False) == p.bf16_prefill_attention(True, auto.engine.kv_dtype)
     if not getattr(backend, "bf16_prefill", False):
         return
-    prompts = ["Once upon a time, " * 40, "The capital of France is Paris. The capital of Germany is Berlin. The "
-               "capital of Italy is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
+    prompts = ["Once upon a time, " * 40,
+               "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+               "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
                "In 1969, the first humans landed on the Moon as part of NASA's Apollo program. The mission was called"]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     runs = []
