@@ -162,6 +162,7 @@ inline __m128 dot4(const float* q, const T* k0, const T* k1, const T* k2, const 
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+
 // o[0, 8 * NC) = sum_i p_i v_i over the row's keys, accumulated in registers in key order.
 // p_i, times the int8 row's scale (v points d0 elements into the row, so its scale sits at D - d0)
 // or e4m3's read scale.
@@ -184,6 +185,36 @@ inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv_sum)));
 }
 
+#ifdef PAGELLM_WIDE_ATTENTION
+// weighted_values 16 lanes at a time: o[0, 16 * NC), float32 and float16 caches (no per-key scale).
+template <int NC, typename T>
+inline void weighted_values16(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
+                              const float* p, const T* v, float inv_sum, float* o) {
+    __m512 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
+        const __m512 w = _mm512_set1_ps(p[i]);
+        for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + off + 16 * c), acc[c]);
+    });
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));
+}
+
+// True when it wrote o (the format and D allow 16 lanes).
+template <typename T>
+inline bool weighted_values_wide(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
+                                 const float* p, const T* v, float inv_sum, float* o) {
+    if constexpr (!loads16<T>()) {
+        return false;
+    } else {
+        switch (a.D) {  // the common head sizes; others take the 8-lane loop
+            case 64: weighted_values16<4>(a, table, first, pos, p, v, inv_sum, o); return true;
+            case 128: weighted_values16<8>(a, table, first, pos, p, v, inv_sum, o); return true;
+            default: return false;
+        }
+    }
+}
+#endif
+
 // Query row t, query head `head` (of KV head head / G): scores, softmax, weighted values. D % 8 == 0.
 template <typename T>
 void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
@@ -195,12 +226,21 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     const T* keys = a.kv + h.kv_off;
     const __m128 scale = _mm_set1_ps(a.scale);
     const T* k[4];
+#ifdef PAGELLM_WIDE_ATTENTION
+    const bool wide = loads16<T>() && D % 16 == 0;
+    (void)wide;
+#endif
     int64_t batch_start = 0;
     int filled = 0;
     auto flush = [&]() {
         for (int i = filled; i < 4; ++i) k[i] = k[filled - 1];  // padding: recomputed, not stored
         float s[4];
-        __m128 dots = dot4(q, k[0], k[1], k[2], k[3], D);
+        __m128 dots;
+#ifdef PAGELLM_WIDE_ATTENTION
+        if constexpr (loads16<T>()) dots = wide ? dot4_16(q, k[0], k[1], k[2], k[3], D) : dot4(q, k[0], k[1], k[2], k[3], D);
+        else
+#endif
+            dots = dot4(q, k[0], k[1], k[2], k[3], D);
         if constexpr (std::is_same_v<T, int8_t>)  // score = (k_scale * (q . k_int)) * softmax scale
             dots = _mm_mul_ps(dots, _mm_setr_ps(row_scale(k[0], D), row_scale(k[1], D), row_scale(k[2], D),
                                                 row_scale(k[3], D)));
@@ -225,6 +265,9 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     const float inv_sum = 1.f / softmax_numerators(scores, n, mx);
     const T* values = a.kv + a.plane + h.kv_off;
     float* o = h.out;
+#ifdef PAGELLM_WIDE_ATTENTION
+    if (weighted_values_wide(a, table, first, pos, scores, values, inv_sum, o)) return;
+#endif
     for (int d0 = 0; d0 < D; d0 += 64) {  // up to 8 accumulators (64 dims) at a time
         switch (std::min(8, (D - d0) / 8)) {
             case 8: weighted_values<8>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
