@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_linear_wide.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -31,6 +32,12 @@ namespace {
 template <int R, int G, typename Q, Quants (*Unpack)(const Q*)>
 inline void column(const float* x, int64_t ldx, int K, const Q* qs, int64_t q_per_block, const float* d,
                    const float* m, const float* xsum, float* y, int64_t ldy) {
+#ifdef PAGELLM_WIDE_PACKED
+    if constexpr (Wide16<Unpack>::has) {  // AVX-512: 16 lanes (quant_linear_wide.h)
+        column16<R, G, Q, Wide16<Unpack>>(x, ldx, K, qs, q_per_block, d, m, xsum, y, ldy);
+        return;
+    }
+#endif
     const int nb = K / 32, ng = K / G;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
