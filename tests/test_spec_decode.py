@@ -217,3 +217,28 @@ def test_smollm2_greedy_identity_with_both_proposers(smollm_gguf_path, tmp_path)
         llm = LLM(kv_cache_memory="64MiB", num_speculative_tokens=5, **kw)
         assert llm.chat(msgs, params, use_tqdm=False)[0].outputs[0].token_ids == base, kw
         assert llm.engine.scheduler.stats.num_draft_tokens > 0
+
+
+def test_dtype_auto_speculation_is_lossless_at_small_batches(smollm_gguf_path):
+    """Under --dtype auto on a bf16 CPU a plain step of 4 rows runs the few-row float32 kernels and a step of
+    more rows the bf16 GEMMs: a verification step (4 requests x 5 rows) must compute as the plain step would
+    (linear_method.path_rows), or outputs part from plain decoding (they did at batch 4 on the Zen 5 VM:
+    `pagellm bench latency --task grounded --batch-sizes 4 --dtype auto --speculative-method ngram`).
+    Elsewhere auto is float32 and the path check is skipped."""
+    from pagellm.bench.common import GROUNDED_PROMPT
+    from pagellm.quant.linear_method import drafts_in_step
+
+    plain = LLM(dtype="auto")
+    proj = plain.engine.model.layers[0].mlp.gate_up_proj
+    if proj.weight_bf16 is not None:
+        assert proj.bf16_rows(20)
+        with drafts_in_step(16):  # 4 requests, 4 drafts each
+            assert not proj.bf16_rows(20) and proj.quant_method.few_rows(proj, 20)
+            assert proj.bf16_rows(23)  # 7 requests' rows: the plain step would be bf16 too
+    msgs = [{"role": "user", "content": GROUNDED_PROMPT}]
+    params = SamplingParams(temperature=0, max_tokens=200)
+    base = [o.outputs[0].token_ids for o in plain.chat([msgs] * 4, params, use_tqdm=False)]
+    spec = LLM(dtype="auto", speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
+    assert [o.outputs[0].token_ids for o in spec.chat([msgs] * 4, params, use_tqdm=False)] == base
+    stats = spec.engine.scheduler.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0

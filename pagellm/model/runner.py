@@ -17,7 +17,9 @@ import torch
 from pagellm.core.kv_cache_manager import BlockCopies
 from pagellm.core.step_message import ScheduledRows, StepMessage, WorkerBatch
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
+from pagellm.model.layers.linear import Linear
 from pagellm.quant.kv_cache import kv_row_width
+from pagellm.quant.linear_method import drafts_in_step, path_rows
 from pagellm.sample.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 
 # Prompt positions whose logits are materialized at once: 128 x 49,152 float32 logits is 24 MiB.
@@ -60,6 +62,8 @@ class ModelRunner:
         # and runs every layer in one call: only for a whole model (no collectives between layers).
         whole = getattr(model, "parallel", None) is None
         self.compiled_decoder = platform.compile_decoder(model, backend.name, kv_dtype) if whole else None
+        # the platform's choices (every Linear got the same), for path_rows
+        self._choices = next(m.quant_method.choices for m in model.modules() if isinstance(m, Linear))
         self.batch = WorkerBatch()
         self.pipeline_wait_seconds = 0.0  # time spent waiting for the previous stage (the bubble)
 
@@ -108,9 +112,10 @@ class ModelRunner:
         sends = []
         for first, rows in self._micro_batches(msg.rows):
             input_ids, positions, meta = self._prepare(rows)
-            hidden = self._forward(input_ids, positions, meta, sends)
-            if last:
-                parts.append(self._outputs(msg.want, rows, first, hidden, meta))
+            with drafts_in_step(sum(len(r.spec_token_ids) for r in rows)):  # drafts never pick a path
+                hidden = self._forward(input_ids, positions, meta, sends)
+                if last:
+                    parts.append(self._outputs(msg.want, rows, first, hidden, meta))
         for work in sends:  # the next stage has received them before this step returns
             work.wait()
         return _merge(parts) if last else None
@@ -135,7 +140,8 @@ class ModelRunner:
 
     def _forward(self, input_ids, positions, meta, sends) -> torch.Tensor | None:
         compiled, pipe = self.compiled_decoder, self.pipeline
-        if compiled is not None and compiled.serves(input_ids.shape[0], meta.query_start_loc):
+        if compiled is not None and compiled.serves(path_rows(input_ids.shape[0], self._choices),
+                                                    meta.query_start_loc):
             return compiled.forward(input_ids, positions, self.kv_caches, meta)
         if pipe is None:
             return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
@@ -162,7 +168,8 @@ class ModelRunner:
             return StepResult(hidden=self.model.compute_logits(hidden))
         result = StepResult()
         if any(r.prompt_logprobs is not None for r in rows):
-            result.prompt_logprobs = self._prompt_logprobs(rows, first, hidden, meta)
+            with drafts_in_step(0):  # prompt rows: no drafts among them
+                result.prompt_logprobs = self._prompt_logprobs(rows, first, hidden, meta)
         starts = meta.query_start_loc
         keep = [r for i, row in enumerate(rows) if row.samples
                 for r in range(starts[i + 1] - 1 - len(row.spec_token_ids), starts[i + 1])]

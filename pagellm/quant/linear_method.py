@@ -10,12 +10,38 @@ tensor's float form, then its blocks). Which kernels a method calls was decided 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from pagellm.kernels import blas, ops
 from pagellm.platforms.base import OpChoices
 from pagellm.quant.formats import PACKED_MAX_ROWS, PackedWeight
+
+
+class _Step:
+    drafts = 0  # speculative draft rows in the forward (and its sampled logits) now running
+
+
+@contextlib.contextmanager
+def drafts_in_step(drafts: int) -> Iterator[None]:
+    """Set by the model runner around a forward and its logits: how many of their rows are drafts."""
+    old, _Step.drafts = _Step.drafts, drafts
+    try:
+        yield
+    finally:
+        _Step.drafts = old
+
+
+def path_rows(rows: int, choices: OpChoices) -> int:
+    """The rows a product counts when it picks its path. Where the paths are float32 and bf16 (`--dtype auto`
+    with bf16 GEMMs), speculative drafts do not count: a verification step of 4 requests x 5 rows computes
+    as the 4-row plain step does (few-row float32 kernels), not on the bf16 copies, so drafts never change
+    a token's arithmetic and speculation stays lossless. (Between the float32 kernels and the float32
+    GEMM only the rounding order differs, so there rows count as they are.)"""
+    return rows - _Step.drafts if choices.bf16_gemm else rows
 
 
 def torch_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,7 +98,7 @@ class LinearMethod:
 
     def bf16_rows(self, layer: nn.Module, rows: int) -> bool:
         """Whether a product of this many rows runs on the bfloat16 copy."""
-        return layer.weight_bf16 is not None and rows > self.max_rows
+        return layer.weight_bf16 is not None and path_rows(rows, self.choices) > self.max_rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -119,7 +145,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def few_rows(self, layer, rows: int) -> bool:
         """Whether a product of this many rows reads the blocks in place (a kernel reads their kind)."""
-        return rows <= self.max_rows and self.reads_blocks(layer.packed)
+        return path_rows(rows, self.choices) <= self.max_rows and self.reads_blocks(layer.packed)
 
     def bf16_rows(self, layer, rows: int) -> bool:
         return layer.weight_bf16 is not None and not self.few_rows(layer, rows)
