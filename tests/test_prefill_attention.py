@@ -71,8 +71,12 @@ def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch)
     assert not p.bf16_prefill_attention(False, torch.float16)  # --dtype float32 stays exact
     assert not p.bf16_prefill_attention(True, torch.int8)
     assert p.bf16_prefill_attention(True, torch.float16) == (p.bf16_dot_products and ops.has_bf16_prefill_attention())
+    chosen = p.bf16_prefill_attention(True, p.auto_kv_dtype(torch.float32))
+    assert ("bf16 kernel" in p.describe()["prefill_attention"]) == chosen  # what `pagellm info` and bench print
+    assert ("prefill_attention bf16 kernel" in p.summary_line()) == chosen
     monkeypatch.setattr(p, "isa", [f for f in p.isa if f not in ("avx512_bf16", "amx_bf16")])
     assert not p.bf16_prefill_attention(True, torch.float16)  # masked ISA: the platform decides, not the build
+    assert p.describe()["prefill_attention"] == "torch SDPA"
 
 
 def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smollm_gguf_path):

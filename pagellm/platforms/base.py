@@ -124,5 +124,6 @@ class Platform:
     def summary_line(self, keys: tuple[str, ...] | None = None) -> str:
         """One line of describe(); by default with the platform's own choices for `auto` too."""
         d = self.describe()
-        keys = keys or ("device", "cpu", "gpu", "isa", "kernels", "dtype", "attention_backend", "threads")
+        keys = keys or ("device", "cpu", "gpu", "isa", "kernels", "dtype", "attention_backend", "prefill_attention",
+                        "threads")
         return "platform: " + "; ".join(f"{k} {d[k]}" for k in keys if k in d)

@@ -225,6 +225,8 @@ class CpuPlatform(Platform):
             "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"
                                    if choices.bf16_gemm else "float32"),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
+            "prefill_attention": ("bf16 kernel (vdpbf16ps) under --dtype auto, else torch SDPA"
+                                  if self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype)) else "torch SDPA"),
             "kv_cache_dtype": f"auto -> {str(self.auto_kv_dtype(dtype)).removeprefix('torch.')} under --dtype auto",
             "kv_float16_native": str(self.kv_dtype_readable_natively(torch.float16)).lower(),
             # --kv-cache-dtype values the paged kernel (and so the one-call decoder) reads in place
