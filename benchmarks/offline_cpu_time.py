@@ -23,11 +23,14 @@ from pagellm import LLM, SamplingParams
 from pagellm.bench.workload import random_workload
 
 
-def main() -> None:
-    options = json.loads(sys.argv[1]) if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else {}
+def main(prompt_lens: tuple[int, int] = (32, 512), output_lens: tuple[int, int] = (16, 256),
+         default_options: dict | None = None) -> None:
+    """64 random requests with lengths in these ranges; engine options from argv[1] (JSON) or the default."""
+    given = len(sys.argv) > 1 and not sys.argv[1].startswith("--")
+    options = json.loads(sys.argv[1]) if given else dict(default_options or {})
     llm = LLM(None, enable_prefix_caching=False, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # kernel build, first touches
-    wl = random_workload(64, llm.engine.model_config.vocab_size, (32, 512), (16, 256), 0)
+    wl = random_workload(64, llm.engine.model_config.vocab_size, prompt_lens, output_lens, 0)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in wl]
 
     def run():

@@ -101,10 +101,13 @@ def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smol
     for flag in (False, True):
         backend.bf16_prefill = flag
         runs.append([o.outputs[0] for o in auto.generate(prompts, params, use_tqdm=False)])
+    moved = []
     for ref, out in zip(*runs, strict=True):
         top = sorted(ref.logprobs[0].values(), key=lambda v: -v.logprob)
         if top[0].logprob - top[1].logprob > 0.3:
             assert out.token_ids == ref.token_ids
         if out.token_ids == ref.token_ids:
             t = ref.token_ids[0]
-            assert abs(out.logprobs[0][t].logprob - ref.logprobs[0][t].logprob) < FIRST_TOKEN_TOL
+            moved.append(abs(out.logprobs[0][t].logprob - ref.logprobs[0][t].logprob))
+            assert moved[-1] < FIRST_TOKEN_TOL
+    print(f"bf16 prefill attention vs SDPA: next-token logprob moved by at most {max(moved, default=0):.4f} nats")

@@ -143,10 +143,6 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 template <typename T>
 constexpr bool loads16() { return std::is_same_v<T, float> || std::is_same_v<T, uint16_t>; }
-// The halves added: 8 lanes of partial sums (the AVX2 reductions take it from there).
-inline __m256 fold16(__m512 v) {
-    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
 // dot4 16 lanes at a time (D % 16 == 0), for float32 and float16 caches.
 template <typename T>
 inline __m128 dot4_16(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int D) {

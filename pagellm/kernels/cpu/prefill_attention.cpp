@@ -57,7 +57,7 @@ inline void row_to_floats(const T* src, float* dst, int D) {
 
 struct Packed {
     std::vector<uint32_t> k, v;  // bf16 pairs as 32-bit words
-    int64_t steps, k_head, v_head;  // per KV head: words of K, of V
+    int64_t k_head, v_head;  // per KV head: words of K, of V
 };
 
 // K and V of keys 0..seq_len-1 of every KV head in the layouts above.
@@ -65,8 +65,7 @@ template <typename T>
 Packed pack_kv(const T* kv, int64_t plane, int64_t stride, int block_size, const int64_t* table, int64_t seq_len,
                int KV, int D, int nthreads) {
     Packed p;
-    p.steps = (seq_len + STEP - 1) / STEP;
-    const int64_t keys = p.steps * STEP, pairs = D / 2;
+    const int64_t keys = (seq_len + STEP - 1) / STEP * STEP, pairs = D / 2;  // whole steps, zero-padded
     p.k_head = keys * pairs;
     p.v_head = keys / 2 * D;
     p.k.assign(KV * p.k_head, 0);

@@ -36,11 +36,6 @@ struct Wide16<unpack_q8> {
     }
 };
 
-inline float hsum16(__m512 v) {
-    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v),
-                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
-}
-
 // As quant_linear.cpp's column: R rows of x against output column n, groups of G (32 or 16) weights.
 template <int R, int G, typename Q, typename W>
 inline void column16(const float* x, int64_t ldx, int K, const Q* qs, int64_t q_per_block, const float* d,

@@ -13,6 +13,14 @@ inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+#if defined(__AVX512F__)
+// A 16-lane vector's halves added: 8 lanes of partial sums (for the AVX2 reductions), and its total.
+inline __m256 fold16(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+inline float hsum16(__m512 v) { return hsum8(fold16(v)); }
+#endif
+
 // The 32 quants of one GGUF block as four vectors of 8 floats (exact: small integers). q4_1: byte j
 // holds element j (low nibble) and j + 16 (high); q8_0: 32 int8.
 struct Quants { __m256 q[4]; };

@@ -31,7 +31,8 @@ class TorchSdpaReferenceAttention(AttentionBackend):
             values = dequantize_rows(kv_cache[1, blocks].reshape(-1, num_kv, width)[:seq_len], q.dtype)
             # A whole prompt (no cached prefix) is plain causal attention: is_causal lets flash attention skip
             # the blocks above the diagonal, which an explicit mask does not (0.54x the time at 2048 tokens).
-            whole = end - start == seq_len > 1 and (meta.sliding_window is None or seq_len <= meta.sliding_window)
+            whole = (end - start == seq_len and seq_len > 1
+                     and (meta.sliding_window is None or seq_len <= meta.sliding_window))
             mask = None if whole else causal_mask(end - start, seq_len, meta.sliding_window, q.device)
             o = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1).unsqueeze(0),

@@ -1,0 +1,62 @@
+"""Prefill attention alone, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), 2 threads: torch SDPA with
+the explicit causal mask, with is_causal (whole prompts only), both in bf16, and the bf16 kernel
+(`ops.prefill_attention_bf16`, float16 paged cache; only where the build has it), plus the kernel's repacking
+alone (8 query rows over 2,048 keys). Milliseconds, median of 7; chunks of nq new rows after seq_len - nq cached.
+
+    .venv/bin/python benchmarks/microbench_prefill_attention.py
+
+Run it alone: the machine has 2 cores.
+"""
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels import ops
+
+H, KV, D, BS = 9, 3, 64, 16
+
+
+def median_ms(fn, reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def shape_row(nq: int, seq_len: int, kernel: bool) -> dict[str, float]:
+    q = torch.randn(1, H, nq, D)
+    k, v = torch.randn(1, KV, seq_len, D), torch.randn(1, KV, seq_len, D)
+    mask = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - nq, seq_len).unsqueeze(1)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    sdpa = F.scaled_dot_product_attention
+    row = {"SDPA mask": median_ms(lambda: sdpa(q, k, v, attn_mask=mask, enable_gqa=True)),
+           "bf16 SDPA mask": median_ms(lambda: sdpa(qb, kb, vb, attn_mask=mask, enable_gqa=True))}
+    if nq == seq_len:
+        row["SDPA is_causal"] = median_ms(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
+        row["bf16 SDPA is_causal"] = median_ms(lambda: sdpa(qb, kb, vb, is_causal=True, enable_gqa=True))
+    if kernel:
+        blocks = -(-seq_len // BS)
+        cache = torch.randn(2, blocks, BS, KV, D).half()
+        table = torch.arange(blocks, dtype=torch.int64)
+        qk = q[0].transpose(0, 1).contiguous()
+        row["bf16 kernel"] = median_ms(lambda: ops.prefill_attention_bf16(qk, cache, table, seq_len, D ** -0.5))
+    return row
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    kernel = ops.has_bf16_prefill_attention()
+    for nq, seq_len in [(128, 128), (512, 512), (512, 2048), (2048, 2048), (8, 2048)]:
+        row = shape_row(nq, seq_len, kernel)
+        print(f"{nq} rows at {seq_len} keys: " + ", ".join(f"{n} {ms:.2f} ms" for n, ms in row.items()))
+
+
+if __name__ == "__main__":
+    main()
