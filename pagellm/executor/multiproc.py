@@ -115,8 +115,11 @@ class MultiprocExecutor(Executor):
         weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown() still stops its workers
         try:
             self.procs.extend(self._launch(node_ranks(spec.world_size, nnodes, 0), master_addr, port))
-            self.weights_bytes = self._wait_ready()
+            self.weights_bytes = [int(b) for b in self._wait_for("ready", "loaded")]
             self.world = GlooGroup(self.store, "world", 0, spec.world_size)
+            # their tensor/pipeline groups and shared all-reduce segments come after the world group: a
+            # step (or a look at /dev/shm) right after the engine is up must find them in place
+            self._wait_for("joined", "joined their groups")
         except BaseException:
             self._kill_all()
             raise
@@ -138,8 +141,8 @@ class MultiprocExecutor(Executor):
         """Start the workers; each handle has name, exitcode, is_alive(), kill(), join(timeout)."""
         return spawn_workers(ranks, master_addr, master_port)
 
-    def _wait_ready(self) -> list[int]:
-        """Each worker's weight bytes once every worker has loaded; a worker's error, death or the timeout
+    def _wait_for(self, key: str, what: str) -> list[bytes]:
+        """Every worker's `key/<rank>` value once all have set it; a worker's error, death or the timeout
         raises."""
         ranks = range(1, self.spec.world_size)
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -150,10 +153,10 @@ class MultiprocExecutor(Executor):
             dead = [p for p in self.procs if p.exitcode is not None]
             if dead:
                 raise WorkerFailedError(f"{dead[0].name} exited with code {dead[0].exitcode} while starting")
-            if all(self.store.check([f"ready/{r}"]) for r in ranks):
-                return [int(self.store.get(f"ready/{r}")) for r in ranks]
+            if all(self.store.check([f"{key}/{r}"]) for r in ranks):
+                return [self.store.get(f"{key}/{r}") for r in ranks]
             if time.monotonic() > deadline:
-                raise WorkerFailedError(f"workers not ready after {READY_TIMEOUT_S:.0f} s")
+                raise WorkerFailedError(f"workers not {what} after {READY_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
     def _watch(self) -> None:

@@ -100,6 +100,7 @@ def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int)
         world, transport = _join(store, spec, runner, info, rank, transport)
     except Exception as e:
         _report(store, rank, f"failed to join the other ranks: {type(e).__name__}: {e}")
+    store.set(f"joined/{rank}", "1")
     _serve(store, world, transport, runner, rank, spec)
 
 
