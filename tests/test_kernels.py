@@ -135,6 +135,26 @@ def test_packed_weight_rows_and_cat():
     assert PackedWeight.cat([a, q8]) is None  # mixed formats stay float32
 
 
+def test_bf16_residual_norm_is_the_float32_norm_of_its_cast():
+    """A bf16 product's output goes to the next norm as is (--dtype auto): summed into the residual in
+    float32, the same bits as casting it first, and RMSNorm takes that path for a bf16 x."""
+    from pagellm.model.layers.norm import RMSNorm
+
+    x, res, w = torch.randn(7, 576).bfloat16(), torch.randn(7, 576), torch.randn(576)
+    x32, res32 = x.float(), res.clone()
+    want = ops.add_rmsnorm(x32, res32, w, 1e-5)  # x32 becomes the sum
+    got = ops.add_bf16_rmsnorm(x, res, w, 1e-5)
+    assert torch.equal(got, want) and torch.equal(res, x32)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data.copy_(w)
+    norm.use("cpu")
+    res2 = torch.randn(7, 576)  # a fresh residual stream
+    want_out, want_sum = norm(x.float(), res2.clone())
+    out, summed = norm(x, res2)
+    assert summed is res2 and torch.equal(out, want_out) and torch.equal(summed, want_sum)
+    assert torch.equal(norm(x), norm(x.float()))  # no residual: cast first
+
+
 def test_add_rmsnorm_rope_silu_match_torch():
     from pagellm.model.layers.rotary import RotaryEmbedding
 

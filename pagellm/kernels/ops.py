@@ -62,6 +62,15 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out
 
 
+def add_bf16_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place; x bfloat16, residual float32, both contiguous [T, C]); returns
+    rmsnorm(residual) * weight: the bits of add_rmsnorm(x.float(), residual, ...)."""
+    out = torch.empty_like(residual)
+    library().pagellm_add_bf16_rmsnorm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                       x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
 def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
           positions: torch.Tensor) -> None:
     """Rotates the first num_heads heads of each row of x ([T, >= num_heads * head_dim], row-strided) in place."""

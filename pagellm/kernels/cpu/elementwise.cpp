@@ -6,6 +6,18 @@
 
 #include "simd.h"
 
+namespace {
+// out = x * rsqrt(mean(x^2) + eps) * weight for one row of C floats.
+inline void rmsnorm_row(const float* xt, const float* weight, float* ot, int C, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < C; ++i) ss += xt[i] * xt[i];
+    const float r = 1.f / std::sqrt(ss / C + eps);
+#pragma omp simd
+    for (int i = 0; i < C; ++i) ot[i] = weight[i] * (xt[i] * r);
+}
+}  // namespace
+
 // x (in place) += residual when residual is given; out = x * rsqrt(mean(x^2) + eps) * weight.
 extern "C" void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, float* out, int T, int C,
                                     float eps, int nthreads) {
@@ -17,13 +29,27 @@ extern "C" void pagellm_add_rmsnorm(float* x, const float* residual, const float
 #pragma omp simd
             for (int i = 0; i < C; ++i) xt[i] += rt[i];
         }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int i = 0; i < C; ++i) ss += xt[i] * xt[i];
-        const float r = 1.f / std::sqrt(ss / C + eps);
-        float* ot = out + (int64_t)t * C;
+        rmsnorm_row(xt, weight, out + (int64_t)t * C, C, eps);
+    }
+}
+
+// The same for a bfloat16 x (a bf16 product's output, read as the float32 it stands for: exact), summed
+// into residual (in place) instead: residual += x; out = rmsnorm(residual) * weight. The same bits as
+// casting x to float32 and calling pagellm_add_rmsnorm, without the cast's pass and its tensor.
+extern "C" void pagellm_add_bf16_rmsnorm(const uint16_t* x, float* residual, const float* weight, float* out, int T,
+                                         int C, float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 1)
+    for (int t = 0; t < T; ++t) {
+        const uint16_t* xt = x + (int64_t)t * C;
+        float* rt = residual + (int64_t)t * C;
 #pragma omp simd
-        for (int i = 0; i < C; ++i) ot[i] = weight[i] * (xt[i] * r);
+        for (int i = 0; i < C; ++i) {
+            uint32_t bits = (uint32_t)xt[i] << 16;
+            float v;
+            __builtin_memcpy(&v, &bits, 4);
+            rt[i] = v + rt[i];
+        }
+        rmsnorm_row(rt, weight, out + (int64_t)t * C, C, eps);
     }
 }
 

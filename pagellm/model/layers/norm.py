@@ -8,7 +8,8 @@ class RMSNorm(CustomOp):
     """Normalises in float32 and scales in the input dtype, the order transformers uses.
 
     With a residual, adds it first and returns (normed, sum): the sum is the next residual stream
-    (x is updated in place by forward_cpu, so callers pass a tensor they own)."""
+    (forward_cpu updates x in place, or the residual when x is bfloat16, so callers pass tensors they own).
+    A bfloat16 x (a bf16 product's output under --dtype auto) is summed in float32, as x.float() would be."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -22,6 +23,11 @@ class RMSNorm(CustomOp):
         return self._norm(x)
 
     def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dtype == torch.bfloat16:  # a bf16 product's output (--dtype auto): summed into the residual
+            if residual is not None and residual.dtype == torch.float32 and x.is_contiguous() \
+                    and residual.is_contiguous():
+                return ops.add_bf16_rmsnorm(x, residual, self.weight, self.eps), residual
+            x = x.float()
         if not x.is_contiguous():  # the kernel walks rows of C floats
             return self.forward_native(x, residual)
         out = ops.add_rmsnorm(x, residual, self.weight, self.eps)

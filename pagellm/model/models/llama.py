@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
                                shards=3)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj.bf16_out = True  # a bf16 product's output goes to the next norm as is (RMSNorm reads it)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend):
@@ -56,6 +57,7 @@ class MLP(nn.Module):
         # where both products run in bf16 (--dtype auto, many rows), gate/up's output stays bf16 through
         # the activation into down_proj
         self.gate_up_proj.bf16_out = True
+        self.down_proj.bf16_out = True  # to the next norm, as o_proj's
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -107,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers[start:end], kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
         if end < self.config.num_hidden_layers:
-            return x, residual
+            return x.float(), residual
         return self.norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
