@@ -161,3 +161,67 @@ def test_drain_finishes_short_requests_and_aborts_long_ones(engine):
     assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 2
     assert long.finished and long.outputs[0].finish_reason == "abort"
     assert 0 < len(long.outputs[0].token_ids) < 900
+
+
+def test_an_id_reused_right_after_its_abort_is_a_new_request(engine):
+    """A client aborts a running request and at once sends another under the same id: the abort and the
+    add reach the engine in one batch. The abort ends the first; the second is not taken for the aborted
+    one (it was dropped, its stream never answered), and gets its own outputs only."""
+    import time as _time
+
+    from pagellm.engine.engine_core import Add, EngineCore
+
+    expected = sync_greedy(engine, PROMPTS[1])
+    core = EngineCore(engine)
+    res = core.step([Add("same", PROMPTS[0], LONG, _time.time())], set())
+    assert "same" in res.added and res.outputs  # running
+    res = core.step([Add("same", PROMPTS[1], GREEDY, _time.time(), after_abort=True)], {"same"})
+    assert res.added["same"][1] == PROMPTS[1]
+    outs = res.outputs
+    for _ in range(200):
+        if outs and outs[-1].finished:
+            break
+        outs = core.step([], set()).outputs
+    assert outs[-1].prompt_token_ids == PROMPTS[1] and outs[-1].outputs[0].token_ids == expected
+    assert engine.stats.finished.get("abort", 0) >= 1
+    # without the flag the abort still drops an add that came before it (the client left first)
+    res = core.step([Add("gone", PROMPTS[2], GREEDY, _time.time())], {"gone"})
+    assert "gone" not in res.added and not engine.has_unfinished_requests()
+
+    async def body(ae):  # the same through the front, which sets the flag
+        first = await ae.add_request(PROMPTS[0], LONG, request_id="same")
+        async for _ in first:
+            break
+        ae.abort("same")
+        second = await ae.add_request(PROMPTS[1], GREEDY, request_id="same")
+        last = None
+        async for out in second:
+            last = out
+        return last
+
+    last = run(engine, body)
+    assert last.finished and last.prompt_token_ids == PROMPTS[1] and last.outputs[0].token_ids == expected
+
+
+def test_the_core_process_loop_keeps_a_reused_id_across_messages(engine):
+    """In the core process, the abort and the new add may come in two messages before one step: the add is
+    marked as the abort's successor; an abort in a later message drops an add that an earlier one brought."""
+    import os
+    import time as _time
+
+    from pagellm.engine.core_process import CoreLoop
+    from pagellm.engine.engine_core import Add
+
+    loop = CoreLoop(engine, None, os.getppid())
+    try:
+        loop.take([], {"same"}, [], [])
+        loop.take([Add("same", PROMPTS[1], GREEDY, _time.time())], set(), [], [])
+        loop.take([Add("left", PROMPTS[2], GREEDY, _time.time())], set(), [], [])
+        loop.take([], {"left"}, [], [])
+        assert [(a.request_id, a.after_abort) for a in loop.adds] == [("same", True), ("left", False)]
+        res = loop.core.step(loop.adds, loop.aborts)
+        assert set(res.added) == {"same"}
+        engine.abort_request("same")
+    finally:
+        loop.close()
+        engine.executor.on_failure = None

@@ -285,3 +285,25 @@ def test_health_answers_while_a_step_holds_the_gil(mode, tiny_path, smollm_gguf_
         assert len(latencies) >= 10 and max(latencies) < 0.5
     else:
         assert max(latencies) > 0.5  # the same probe catches the shared GIL: a poll waits out a step
+
+
+def test_an_id_reused_right_after_its_abort_gets_its_own_outputs(tiny_path, smollm_gguf_path):
+    """Abort a running request and send another under its id at once, through the core process: the new
+    one is accepted and finishes with its own prompt and tokens (the abort is its predecessor's)."""
+    args = engine_args(tiny_path, smollm_gguf_path)
+    ref = LLMEngine(args)
+    rid = ref.add_request(None, PROMPTS[1], GREEDY)
+    expected = None
+    while ref.has_unfinished_requests():
+        expected = {o.request_id: o for o in ref.step()}.get(rid, expected)
+
+    async def body(client):
+        first = await client.add_request(PROMPTS[0], LONG, request_id="same")
+        async for _ in first:
+            break
+        client.abort("same")
+        return await collect(client, PROMPTS[1], request_id="same")
+
+    last = run(EngineProcessClient.launch(args), body)
+    assert last.finished and last.prompt_token_ids == PROMPTS[1]
+    assert last.outputs[0].token_ids == expected.outputs[0].token_ids

@@ -234,7 +234,7 @@ class EngineProcessClient(EngineFront):
         self._sent_adds.update(a.request_id for a in adds)
         # An aborted add is no longer waiting, whether or not the core reports dropping it (it does not when
         # the abort reaches it before the add was applied): else the queue length only grows (--max-queue-len).
-        self._sent_adds.difference_update(aborts)
+        self._sent_adds.difference_update(aborts - {a.request_id for a in adds if a.after_abort})
         self._outbox.put(data)
 
     def _picklable(self, add) -> bool:

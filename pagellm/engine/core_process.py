@@ -117,7 +117,12 @@ class CoreLoop:
         return True
 
     def take(self, adds: list[Add], aborts: set[str], jobs: list[tuple[int, object]], cancelled: list[int]) -> None:
+        for a in self.adds + [c[0] for c in self.compiling]:
+            if a.request_id in aborts:  # aborted after an earlier message brought it: dropped by the step
+                a.after_abort = False
         for a in adds:
+            if a.request_id in self.aborts:  # an abort from an earlier message, not yet applied: a reused id
+                a.after_abort = True
             if a.params.structured_outputs is None:
                 self.adds.append(a)
             else:
@@ -126,7 +131,7 @@ class CoreLoop:
                 self.compiling.append((a, fut))
         if aborts:
             self.aborts |= aborts
-            self.compiling = [(a, f) for a, f in self.compiling if a.request_id not in aborts]
+            self.compiling = [(a, f) for a, f in self.compiling if a.request_id not in aborts or a.after_abort]
         self.jobs.update(jobs)
         for job_id in cancelled:
             self.jobs.pop(job_id, None)

@@ -31,6 +31,9 @@ class Add:
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None
+    # queued after an abort of the same id that had not been applied yet: the abort is its predecessor's
+    # (a client reusing an id), not this add's
+    after_abort: bool = False
 
 
 @dataclass
@@ -86,12 +89,16 @@ class EngineCore:
         return self.engine.has_unfinished_requests() or self.engine.executor.error is not None
 
     def step(self, adds: list[Add], aborts: set[str], run_jobs=None) -> StepResult:
-        """Apply adds (an add aborted in the same batch is dropped) and aborts, run_jobs(engine), then one
-        engine step if any request is unfinished. An exception here is the engine's own failure."""
+        """Apply aborts, then adds (an add aborted in the same batch is dropped, unless it came after the abort:
+        a reused id), run_jobs(engine), then one engine step if any request is unfinished. An exception here
+        is the engine's own failure."""
         eng = self.engine
         added: dict[str, BaseException | tuple[str | None, list[int]]] = {}
+        if aborts:  # first: an id reused right after its abort names a new request, which must not be aborted
+            eng.abort_request(list(aborts))
+            self._unscheduled -= aborts
         for a in adds:
-            if a.request_id in aborts:  # the client left before its request ever reached the engine
+            if a.request_id in aborts and not a.after_abort:  # the client left before it reached the engine
                 continue
             try:
                 eng.add_request(a.request_id, a.prompt, a.params, a.arrival_time, a.cache_salt)
@@ -105,9 +112,6 @@ class EngineCore:
             state = eng.requests[a.request_id]
             added[a.request_id] = (state.prompt, list(state.prompt_token_ids))
             self._unscheduled.add(a.request_id)
-        if aborts:
-            eng.abort_request(list(aborts))
-            self._unscheduled -= aborts
         if run_jobs is not None:
             run_jobs(eng)
         eng.executor.check_health()  # a worker died while idle: raise here, the caller then fails and stops

@@ -98,8 +98,8 @@ class EngineFront:
         stream = RequestStream(self._release, rid, params.n, now, now + timeout if timeout else None)
         stream.max_tokens = params.max_tokens
         self._streams[rid] = stream
-        with self._lock:
-            self._adds.append(Add(rid, prompt, params, now, cache_salt))
+        with self._lock:  # an abort of this id still queued is the previous request's (the id is reused)
+            self._adds.append(Add(rid, prompt, params, now, cache_salt, after_abort=rid in self._aborts))
         self._wakeup.set()
         try:
             await stream.accepted
@@ -131,6 +131,9 @@ class EngineFront:
             stream.finished = True
             with self._lock:
                 self._aborts.add(stream.request_id)
+                for a in self._adds:  # its own add, still queued (after an abort of a reused id): dropped too
+                    if a.request_id == stream.request_id:
+                        a.after_abort = False
             if self._wakeup is not None:
                 self._wakeup.set()
 
@@ -215,8 +218,8 @@ class EngineFront:
             obs.observe_iteration(res.num_tokens)
         for item in res.outputs:
             stream = self._streams.get(item.request_id)
-            if stream is None or stream.finished:
-                continue
+            if stream is None or stream.finished or not stream.accepted.done():
+                continue  # not accepted yet: a previous request's output under the same (reused) id
             out = self._output(item, stream)
             if stream.last_token_time is None:
                 stream.first_token_time = now
