@@ -155,6 +155,24 @@ def test_bf16_residual_norm_is_the_float32_norm_of_its_cast():
     assert torch.equal(norm(x), norm(x.float()))  # no residual: cast first
 
 
+def test_bf16_qkv_rotates_as_its_float32_cast():
+    """A bf16 qkv product's output (--dtype auto) is cast and rotated in one pass: the bits of casting first
+    and rotating in place, rows strided as a slice of a wider output would be."""
+    from pagellm.model.layers.rotary import RotaryEmbedding
+
+    rot = RotaryEmbedding(64, 256, 10000.0)
+    wide = torch.randn(6, 960 + 32).bfloat16()
+    qkv = wide[:, :960]  # 9 q + 3 k + 3 v heads of 64, row stride 992
+    pos = torch.tensor([0, 3, 17, 100, 200, 255])
+    want = qkv.float().contiguous()
+    ops.rope_(want, 12, 64, rot.cos, rot.sin, pos)
+    assert torch.equal(ops.rope_bf16(qkv, 12, 64, rot.cos, rot.sin, pos), want)
+    rot.use("cpu")
+    assert torch.equal(rot(pos, qkv, 12), want)
+    rot.use("native")
+    torch.testing.assert_close(rot(pos, qkv, 12), want, rtol=1e-6, atol=1e-6)
+
+
 def test_add_rmsnorm_rope_silu_match_torch():
     from pagellm.model.layers.rotary import RotaryEmbedding
 

@@ -69,6 +69,7 @@ SIGNATURES = {
     "pagellm_add_rmsnorm": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "pagellm_add_bf16_rmsnorm": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "pagellm_rope": ([_p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32], None),
+    "pagellm_rope_bf16": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _i32, _p, _p, _p, _i32], None),
     "pagellm_silu_mul": ([_p, _i32, _i32, _p, _i32], None),
     "pagellm_silu_mul_bf16": ([_p, _i32, _i32, _p, _i32], None),
     "pagellm_sgemm": ([_p, _p, _i64, _i64, _i64, _p, _i64, _i32, _i64, _p, _i64, _i32], None),

@@ -78,6 +78,17 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
                                sin.data_ptr(), positions.data_ptr(), torch.get_num_threads())
 
 
+def rope_bf16(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of bfloat16 x ([T, C], row-strided) with its first num_heads heads rotated: the bits
+    of rope_(x.float(), ...)."""
+    out = torch.empty(x.shape, dtype=torch.float32)
+    library().pagellm_rope_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
+                                num_heads, head_dim, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                                torch.get_num_threads())
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """float32 in and out, or bfloat16 in and out (the bf16 MLP of `--dtype auto`)."""
     t, two_i = gate_up.shape

@@ -74,6 +74,36 @@ extern "C" void pagellm_rope(float* x, int64_t ldx, int T, int heads, int D, con
     }
 }
 
+// pagellm_rope on a float32 copy of a bfloat16 qkv (a bf16 product's output, read exactly): src [T, cols]
+// bf16 rows of stride lds -> dst [T, cols] float32 rows of stride ldd, its first `heads` heads rotated.
+// The same bits as casting src and rotating in place, in one pass.
+extern "C" void pagellm_rope_bf16(const uint16_t* src, int64_t lds, float* dst, int64_t ldd, int T, int cols,
+                                  int heads, int D, const float* cos_table, const float* sin_table,
+                                  const int64_t* positions, int nthreads) {
+    const int half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 4)
+    for (int t = 0; t < T; ++t) {
+        const uint16_t* s_row = src + t * lds;
+        float* d_row = dst + t * ldd;
+#pragma omp simd
+        for (int i = 0; i < cols; ++i) {
+            const uint32_t bits = (uint32_t)s_row[i] << 16;
+            __builtin_memcpy(d_row + i, &bits, 4);
+        }
+        const float* c = cos_table + positions[t] * D;
+        const float* s = sin_table + positions[t] * D;
+        for (int h = 0; h < heads; ++h) {
+            float* v = d_row + (int64_t)h * D;
+#pragma omp simd
+            for (int i = 0; i < half; ++i) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + (-b) * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]
 extern "C" void pagellm_silu_mul(const float* gate_up, int T, int I, float* out, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 1)

@@ -43,16 +43,23 @@ class RotaryEmbedding(CustomOp):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward_native(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> None:
-        """Rotates the first `heads` heads (q then k) of each row of qkv [T, >= heads * D] in place."""
+    def forward_native(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> torch.Tensor:
+        """Rotates the first `heads` heads (q then k) of each row of qkv [T, >= heads * D] in place and returns
+        it; a bfloat16 qkv (a bf16 product's output under --dtype auto) is cast to float32 first."""
+        if qkv.dtype == torch.bfloat16:
+            qkv = qkv.float()
         n = heads * self.head_dim
         x = qkv[:, :n].view(-1, heads, self.head_dim)
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         qkv[:, :n] = (x * cos + _rotate_half(x) * sin).reshape(-1, n)
+        return qkv
 
-    def forward_cpu(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> None:
+    def forward_cpu(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> torch.Tensor:
+        if qkv.dtype == torch.bfloat16:  # cast and rotate in one pass
+            return ops.rope_bf16(qkv, heads, self.head_dim, self.cos, self.sin, positions)
         ops.rope_(qkv, heads, self.head_dim, self.cos, self.sin, positions)
+        return qkv
 
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """Out of place, for separate tensors: q: [T, H, D], k: [T, KV, D]; positions: [T]."""

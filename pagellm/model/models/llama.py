@@ -34,11 +34,13 @@ class Attention(nn.Module):
                                shards=3)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.o_proj.bf16_out = True  # a bf16 product's output goes to the next norm as is (RMSNorm reads it)
+        self.qkv_proj.bf16_out = True  # and qkv's to the rotary embedding (ignored with a bias: Qwen2)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend):
         qkv = self.qkv_proj(x)
-        rotary(positions, qkv, self.num_heads + self.num_kv_heads)  # q and k heads sit side by side
+        # q and k heads sit side by side; a bf16 product's qkv comes back as a rotated float32 copy
+        qkv = rotary(positions, qkv, self.num_heads + self.num_kv_heads)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
