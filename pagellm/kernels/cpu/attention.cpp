@@ -93,54 +93,9 @@ inline float softmax_numerators(float* p, int64_t n, float max) {
 }  // namespace
 #endif
 
+#include "paged_walk.h"
+
 namespace {
-
-template <typename T>
-struct AttentionArgs {
-    const float* q;
-    int64_t ldq;
-    int H, D, G, KV, block_size, window;
-    const T* kv;
-    int64_t plane, stride;  // offset of the values; distance between consecutive tokens of a block
-    int64_t row;  // elements per KV head row: D, or D + 2 for int8 (its scale)
-    const int64_t* block_tables;
-    int64_t table_stride;
-    const int64_t* row_seq;
-    const int64_t* row_pos;
-    float scale;
-    float* out;
-};
-
-// Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0.
-template <typename T, typename F>
-inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f) {
-    const int bs = a.block_size;
-    for (int64_t j = first; j <= pos;) {
-        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
-        int64_t off = (table[j / bs] * bs + j % bs) * a.stride;
-        for (int64_t i = j - first; i < j - first + count; ++i, off += a.stride) f(i, off);
-        j += count;
-    }
-}
-
-// What one (query row, query head) pair attends: its request's block table, keys first..pos (n of
-// them), its query vector, the KV head's offset within a token, and its output row.
-struct HeadView {
-    const int64_t* table;
-    int64_t pos, first, n;
-    const float* q;
-    int64_t kv_off;
-    float* out;
-};
-
-template <typename T>
-inline HeadView head_view(const AttentionArgs<T>& a, int t, int head) {
-    const int64_t pos = a.row_pos[t];
-    const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
-    return {a.block_tables + a.row_seq[t] * a.table_stride, pos, first, pos + 1 - first,
-            a.q + t * a.ldq + (int64_t)head * a.D, (int64_t)(head / a.G) * a.row,
-            a.out + ((int64_t)t * a.H + head) * a.D};
-}
 
 #ifdef PAGELLM_SIMD_ATTENTION
 // Scores of 4 keys at once: 8-lane products per key, then one transposing reduction for all four
@@ -178,7 +133,7 @@ inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int
                             const float* p, const T* v, float inv_sum, float* o, int d0) {
     __m256 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
+    for_each_key_pf(a, table, first, pos, v, [&](int64_t i, int64_t off) {
         const __m256 w = _mm256_set1_ps(scaled_weight(p[i], v + off, a.D, d0));
         for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + off + 8 * c), acc[c]);
     });
@@ -192,7 +147,7 @@ inline void weighted_values16(const AttentionArgs<T>& a, const int64_t* table, i
                               const float* p, const T* v, float inv_sum, float* o) {
     __m512 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
-    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
+    for_each_key_pf(a, table, first, pos, v, [&](int64_t i, int64_t off) {
         const __m512 w = _mm512_set1_ps(p[i]);
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + off + 16 * c), acc[c]);
     });
@@ -250,7 +205,7 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
         batch_start += filled;
         filled = 0;
     };
-    for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
+    for_each_key_pf(a, table, first, pos, keys, [&](int64_t, int64_t off) {
         k[filled++] = keys + off;
         if (filled == 4) flush();
     });
@@ -320,13 +275,14 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
 namespace {
 
 template <typename T>
-void paged_attention(const AttentionArgs<T>& a, int T_, int nthreads) {
+void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
     int64_t max_keys = 0;
     for (int t = 0; t < T_; ++t) max_keys = std::max(max_keys, a.row_pos[t] + 1);
     // Enough rows: one row (all heads) per work item; a KV head's keys are walked once per query head
     // of its group, from cache after the first. Few rows (batch-1 decode): one query head per item, or
     // the other threads would idle.
     const bool by_row = T_ >= 2 * nthreads;
+    a.prefetch = by_row;
 #pragma omp parallel num_threads(nthreads)
     {
         std::vector<float> scores((size_t)max_keys + 8);

@@ -1,0 +1,85 @@
+// How attention.cpp walks a request's paged keys: the kernel's arguments, the walk over a row's blocks
+// (with or without prefetching the next block), and what one (row, head) pair attends.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+struct AttentionArgs {
+    const float* q;
+    int64_t ldq;
+    int H, D, G, KV, block_size, window;
+    const T* kv;
+    int64_t plane, stride;  // offset of the values; distance between consecutive tokens of a block
+    int64_t row;  // elements per KV head row: D, or D + 2 for int8 (its scale)
+    const int64_t* block_tables;
+    int64_t table_stride;
+    const int64_t* row_seq;
+    const int64_t* row_pos;
+    float scale;
+    float* out;
+    bool prefetch = false;  // ask for each key's next-block successor ahead (for_each_key_pf)
+};
+
+// Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0.
+template <typename T, typename F>
+inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f) {
+    const int bs = a.block_size;
+    for (int64_t j = first; j <= pos;) {
+        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
+        int64_t off = (table[j / bs] * bs + j % bs) * a.stride;
+        for (int64_t i = j - first; i < j - first + count; ++i, off += a.stride) f(i, off);
+        j += count;
+    }
+}
+
+// for_each_key, also asking for the same token of the row's next block when a.prefetch (pf: where the
+// walked rows start, K or V): blocks lie in random order, and the hardware prefetcher loses the stream at
+// every block's end. Many-row steps find their keys in memory, not cache: 64 rows x 300 keys over 30
+// layers' caches 16-21% faster (benchmarks/microbench_attention.py, the cold case); one row's keys stay
+// cached from token to token, where the prefetches cost ~5%, so few-row steps go without.
+template <typename T, typename F>
+inline void for_each_key_pf(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
+                            const T* pf, F f) {
+    const int bs = a.block_size;
+    const int64_t last_block = pos / bs;
+    const int64_t row_bytes = (int64_t)a.D * sizeof(T);
+    for (int64_t j = first; j <= pos;) {
+        const int64_t b = j / bs;
+        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
+        int64_t off = (table[b] * bs + j % bs) * a.stride;
+        const int64_t next = b < last_block ? (table[b + 1] * bs + j % bs) * a.stride : -1;
+        for (int64_t i = j - first, n = 0; i < j - first + count; ++i, ++n, off += a.stride) {
+            if (a.prefetch && next >= 0) {
+                const char* p = reinterpret_cast<const char*>(pf + next + n * a.stride);
+                for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
+            }
+            f(i, off);
+        }
+        j += count;
+    }
+}
+
+// What one (query row, query head) pair attends: its request's block table, keys first..pos (n of
+// them), its query vector, the KV head's offset within a token, and its output row.
+struct HeadView {
+    const int64_t* table;
+    int64_t pos, first, n;
+    const float* q;
+    int64_t kv_off;
+    float* out;
+};
+
+template <typename T>
+inline HeadView head_view(const AttentionArgs<T>& a, int t, int head) {
+    const int64_t pos = a.row_pos[t];
+    const int64_t first = a.window > 0 && pos + 1 > a.window ? pos + 1 - a.window : 0;
+    return {a.block_tables + a.row_seq[t] * a.table_stride, pos, first, pos + 1 - first,
+            a.q + t * a.ldq + (int64_t)head * a.D, (int64_t)(head / a.G) * a.row,
+            a.out + ((int64_t)t * a.H + head) * a.D};
+}
+
+}  // namespace
