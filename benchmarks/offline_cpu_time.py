@@ -39,7 +39,7 @@ def main(prompt_lens: tuple[int, int] = (32, 512), output_lens: tuple[int, int] 
     if "--profile" in sys.argv:
         prof = cProfile.Profile(time.perf_counter if "--wall" in sys.argv else time.process_time)
         prof.runcall(run)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(int(__import__("os").environ.get("PROFILE_TOP", "20")))
         return
     t, c = time.perf_counter(), time.process_time()
     out = run()
