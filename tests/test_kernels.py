@@ -168,9 +168,10 @@ def test_bf16_qkv_rotates_as_its_float32_cast():
     ops.rope_(want, 12, 64, rot.cos, rot.sin, pos)
     assert torch.equal(ops.rope_bf16(qkv, 12, 64, rot.cos, rot.sin, pos), want)
     rot.use("cpu")
-    assert torch.equal(rot(pos, qkv, 12), want)
+    assert torch.equal(rot(pos, qkv, 12, torch.float32), want)  # the model's activations are float32
     rot.use("native")
-    torch.testing.assert_close(rot(pos, qkv, 12), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rot(pos, qkv, 12, torch.float32), want, rtol=1e-6, atol=1e-6)
+    assert rot(pos, qkv.clone(), 12, torch.bfloat16).dtype == torch.bfloat16  # a bf16 model stays bf16
 
 
 def test_add_rmsnorm_rope_silu_match_torch():

@@ -35,7 +35,11 @@ class Linear(nn.Module):
         if x.dtype == torch.bfloat16 and self.quant_method.choices.bf16_gemm and not self.bf16_rows(x.shape[0]):
             x = x.float()  # --dtype auto: a bf16 activation meeting a float32 path (layers of other GGUF kinds)
         y = self.quant_method.apply(self, x)
-        return y if self.reduce is None else self.reduce(y.float())  # ranks sum float32 parts
+        if self.reduce is None:
+            return y
+        if self.bf16_out and self.quant_method.choices.bf16_gemm:
+            y = y.float()  # --dtype auto: the ranks sum float32 parts, not a bf16 product's output
+        return self.reduce(y)
 
     def shard(self, rows: torch.Tensor | None = None, columns: tuple[int, int] | None = None, rank: int = 0,
               reduce=None) -> None:

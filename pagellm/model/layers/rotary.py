@@ -43,11 +43,13 @@ class RotaryEmbedding(CustomOp):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward_native(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    def forward_native(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int,
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rotates the first `heads` heads (q then k) of each row of qkv [T, >= heads * D] in place and returns
-        it; a bfloat16 qkv (a bf16 product's output under --dtype auto) is cast to float32 first."""
-        if qkv.dtype == torch.bfloat16:
-            qkv = qkv.float()
+        it; cast to `dtype` (the model's activations) first where a bf16 product under --dtype auto left it
+        in bfloat16."""
+        if dtype is not None and qkv.dtype != dtype:
+            qkv = qkv.to(dtype)
         n = heads * self.head_dim
         x = qkv[:, :n].view(-1, heads, self.head_dim)
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
@@ -55,8 +57,9 @@ class RotaryEmbedding(CustomOp):
         qkv[:, :n] = (x * cos + _rotate_half(x) * sin).reshape(-1, n)
         return qkv
 
-    def forward_cpu(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> torch.Tensor:
-        if qkv.dtype == torch.bfloat16:  # cast and rotate in one pass
+    def forward_cpu(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+        if qkv.dtype == torch.bfloat16 and dtype == torch.float32:  # cast and rotate in one pass
             return ops.rope_bf16(qkv, heads, self.head_dim, self.cos, self.sin, positions)
         ops.rope_(qkv, heads, self.head_dim, self.cos, self.sin, positions)
         return qkv

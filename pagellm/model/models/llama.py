@@ -40,7 +40,7 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend):
         qkv = self.qkv_proj(x)
         # q and k heads sit side by side; a bf16 product's qkv comes back as a rotated float32 copy
-        qkv = rotary(positions, qkv, self.num_heads + self.num_kv_heads)
+        qkv = rotary(positions, qkv, self.num_heads + self.num_kv_heads, x.dtype)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -111,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers[start:end], kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
         if end < self.config.num_hidden_layers:
-            return x.float(), residual
+            return x.to(residual.dtype), residual  # float32 under --dtype auto (a bf16 product's output)
         return self.norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
