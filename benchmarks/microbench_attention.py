@@ -9,26 +9,16 @@
 Run it alone: the machine has 2 cores.
 """
 
-import statistics
-import time
 from functools import partial
 
 import torch
+from timing import median_ms
 
 from pagellm.kernels import ops
 from pagellm.model.attention.base import AttentionMetadata
 from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
 
 BS, KV, H, D = 16, 3, 9, 64
-
-
-def median_ms(fn, reps: int = 7) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def batched_decode(rows: int = 64, keys: int = 300) -> None:

@@ -6,21 +6,13 @@
 milliseconds for all 40 products (median of 5). Run it alone: the machine has 2 cores.
 """
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
+from timing import median_ms
 
 
-def ms(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+def ms(fn) -> float:
+    return median_ms(fn, reps=5, warmup=1)
 
 
 def row(m: int, ws, wts, nps, lm, lmt) -> list[float]:

@@ -8,25 +8,17 @@ alone (8 query rows over 2,048 keys). Milliseconds, median of 7; chunks of nq ne
 Run it alone: the machine has 2 cores.
 """
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
+from timing import median_ms as _median_ms
 
 from pagellm.kernels import ops
 
 H, KV, D, BS = 9, 3, 64, 16
 
 
-def median_ms(fn, reps: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+def median_ms(fn) -> float:
+    return _median_ms(fn, warmup=1)
 
 
 def shape_row(nq: int, seq_len: int, kernel: bool) -> dict[str, float]:
