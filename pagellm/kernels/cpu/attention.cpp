@@ -133,10 +133,10 @@ inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int
                             const float* p, const T* v, float inv_sum, float* o, int d0) {
     __m256 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-    for_each_key_pf(a, table, first, pos, v, [&](int64_t i, int64_t off) {
+    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
         const __m256 w = _mm256_set1_ps(scaled_weight(p[i], v + off, a.D, d0));
         for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + off + 8 * c), acc[c]);
-    });
+    }, v);
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv_sum)));
 }
 
@@ -147,10 +147,10 @@ inline void weighted_values16(const AttentionArgs<T>& a, const int64_t* table, i
                               const float* p, const T* v, float inv_sum, float* o) {
     __m512 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
-    for_each_key_pf(a, table, first, pos, v, [&](int64_t i, int64_t off) {
+    for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
         const __m512 w = _mm512_set1_ps(p[i]);
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + off + 16 * c), acc[c]);
-    });
+    }, v);
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));
 }
 
@@ -205,10 +205,10 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
         batch_start += filled;
         filled = 0;
     };
-    for_each_key_pf(a, table, first, pos, keys, [&](int64_t, int64_t off) {
+    for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
         k[filled++] = keys + off;
         if (filled == 4) flush();
-    });
+    }, keys);
     if (filled) flush();
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;

@@ -1,5 +1,5 @@
 // How attention.cpp walks a request's paged keys: the kernel's arguments, the walk over a row's blocks
-// (with or without prefetching the next block), and what one (row, head) pair attends.
+// (prefetching the next block's keys on many-row steps), and what one (row, head) pair attends.
 #pragma once
 
 #include <algorithm>
@@ -21,39 +21,29 @@ struct AttentionArgs {
     const int64_t* row_pos;
     float scale;
     float* out;
-    bool prefetch = false;  // ask for each key's next-block successor ahead (for_each_key_pf)
+    bool prefetch = false;  // ask for each key's next-block successor ahead (for_each_key)
 };
 
-// Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0.
+// Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0. Given pf (where
+// the walked rows start, K or V) and a.prefetch, it also asks for each key's successor in the row's next
+// block: blocks lie in random order, and the hardware prefetcher loses the stream at every block's end.
+// Many-row steps find their keys in memory, not cache (64 rows x 300 keys over 30 layers' caches: 16-21%
+// faster, benchmarks/NOTES.md, eleventh session); one row's keys stay cached from token to token, where
+// the prefetches cost 3-6%, so few-row steps go without.
 template <typename T, typename F>
-inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f) {
-    const int bs = a.block_size;
-    for (int64_t j = first; j <= pos;) {
-        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
-        int64_t off = (table[j / bs] * bs + j % bs) * a.stride;
-        for (int64_t i = j - first; i < j - first + count; ++i, off += a.stride) f(i, off);
-        j += count;
-    }
-}
-
-// for_each_key, also asking for the same token of the row's next block when a.prefetch (pf: where the
-// walked rows start, K or V): blocks lie in random order, and the hardware prefetcher loses the stream at
-// every block's end. Many-row steps find their keys in memory, not cache: 64 rows x 300 keys over 30
-// layers' caches 16-21% faster (benchmarks/microbench_attention.py, the cold case); one row's keys stay
-// cached from token to token, where the prefetches cost ~5%, so few-row steps go without.
-template <typename T, typename F>
-inline void for_each_key_pf(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
-                            const T* pf, F f) {
+inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f,
+                         const T* pf = nullptr) {
     const int bs = a.block_size;
     const int64_t last_block = pos / bs;
     const int64_t row_bytes = (int64_t)a.D * sizeof(T);
+    const bool prefetch = a.prefetch && pf != nullptr;
     for (int64_t j = first; j <= pos;) {
         const int64_t b = j / bs;
         const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
         int64_t off = (table[b] * bs + j % bs) * a.stride;
-        const int64_t next = b < last_block ? (table[b + 1] * bs + j % bs) * a.stride : -1;
+        const int64_t next = prefetch && b < last_block ? (table[b + 1] * bs + j % bs) * a.stride : -1;
         for (int64_t i = j - first, n = 0; i < j - first + count; ++i, ++n, off += a.stride) {
-            if (a.prefetch && next >= 0) {
+            if (next >= 0) {
                 const char* p = reinterpret_cast<const char*>(pf + next + n * a.stride);
                 for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
             }
