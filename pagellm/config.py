@@ -115,6 +115,10 @@ def _rope_scaling(cfg: dict) -> dict | None:
     return dict(scaling, rope_type=kind)
 
 
+# --kv-cache-memory when none is given on the CPU (a GPU sizes the cache from --gpu-memory-utilization).
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -171,7 +175,13 @@ class EngineArgs:
     device: str = "cpu"
     seed: int = 0
     block_size: int = 16
-    kv_cache_memory: int | str = "1GiB"
+    # Bytes for the KV cache. None: DEFAULT_KV_CACHE_MEMORY on the CPU; on a GPU what
+    # gpu_memory_utilization leaves after the weights and a profiled step's activations (engine/gpu_memory.py).
+    kv_cache_memory: int | str | None = None
+    # cuda only: the fraction of the GPU's memory the engine may use (weights + activations + KV), vLLM's option.
+    gpu_memory_utilization: float = 0.9
+    # cuda only: no CUDA graphs; every decode step runs eagerly, op by op (for debugging and comparisons).
+    enforce_eager: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -252,6 +262,9 @@ class EngineArgs:
         self._check_parallel()
         if self.embedding_pooling not in ("last", "mean"):
             raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
         try:
             self.swap_space = parse_bytes(self.swap_space) if self.swap_space not in (0, "0") else 0
         except ValueError as e:
@@ -318,7 +331,14 @@ class EngineArgs:
         g.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
-                       help="bytes for the KV cache, e.g. 2GiB or 536870912")
+                       help=f"bytes for the KV cache, e.g. 2GiB or 536870912 (default: {DEFAULT_KV_CACHE_MEMORY} on "
+                            "the CPU; on cuda what --gpu-memory-utilization leaves after the weights and a "
+                            "profiled step)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help=f"cuda: fraction of the GPU's memory for weights, activations and the KV cache "
+                            f"(default {d.gpu_memory_utilization}); ignored on the CPU and with --kv-cache-memory")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="cuda: run decode steps eagerly, without CUDA graphs")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max requests per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one step (prefill chunks + decodes)")
@@ -391,7 +411,8 @@ class EngineArgs:
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(self.block_size, self.kv_cache_memory, self.enable_prefix_caching)
+        """kv_cache_memory None becomes DEFAULT_KV_CACHE_MEMORY (a GPU engine sizes its cache itself first)."""
+        return CacheConfig(self.block_size, self.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, self.enable_prefix_caching)
 
     def scheduler_config(self, model_len: int) -> SchedulerConfig:
         max_len = min(self.max_model_len or model_len, model_len)

@@ -1,4 +1,5 @@
-"""How long a sequence may be, given the model's context and the KV cache: refused or clamped, never silently.
+"""How long a sequence may be, given the model's context and the KV cache: refused or clamped, never silently;
+and how much KV cache a GPU holds (the arithmetic; engine/gpu_memory.py measures its terms).
 
 vLLM refuses a `max_model_len` the KV cache cannot hold ("the model's max seq len is larger than the
 maximum number of tokens that can be stored in KV cache"); so does pagellm when `--max-model-len` was asked
@@ -28,3 +29,34 @@ def fit_max_model_len(requested: int | None, model_len: int, kv_tokens: int, kv_
                        "(--kv-cache-memory %d bytes); raise --kv-cache-memory for longer sequences",
                        kv_tokens, model_len, kv_cache_memory)
     return min(wanted, kv_tokens)
+
+
+def gpu_kv_cache_bytes(total: int, utilization: float, weights: int, activation_peak: int,
+                       outside_torch: int = 0, graph_reserve: int = 0) -> int:
+    """What a GPU's KV cache gets (vLLM's rule): utilization x total memory, less the weights, the activation
+    peak of the biggest step (profiled), memory held outside torch (CUDA context, cuBLAS workspaces, other
+    processes) and a reserve for the CUDA graphs' memory pool. Negative when nothing is left."""
+    return int(total * utilization) - weights - activation_peak - outside_torch - graph_reserve
+
+
+def graph_pool_reserve(activation_peak: int, profiled_tokens: int, largest_graph_batch: int) -> int:
+    """An estimate of the CUDA graphs' private memory pool: the activations of the largest captured decode
+    batch, taken as the profiled peak scaled by rows (activations grow about linearly with a step's rows;
+    the sampled logits are outside the graphs). Zero without graphs."""
+    if not largest_graph_batch or not profiled_tokens:
+        return 0
+    return activation_peak * min(largest_graph_batch, profiled_tokens) // profiled_tokens
+
+
+def check_gpu_kv_budget(kv_bytes: int, bytes_per_block: int, total: int, utilization: float, weights: int,
+                        activation_peak: int, outside_torch: int, graph_reserve: int) -> int:
+    """The number of KV blocks kv_bytes holds; a one-line error naming every term when not one fits."""
+    if kv_bytes >= bytes_per_block:
+        return kv_bytes // bytes_per_block
+    gib = 2**30
+    raise ValueError(
+        f"no GPU memory left for the KV cache: {utilization} x {total / gib:.2f} GiB = "
+        f"{int(total * utilization) / gib:.2f} GiB, less weights {weights / gib:.2f} GiB, activation peak "
+        f"{activation_peak / gib:.2f} GiB, memory outside torch {outside_torch / gib:.2f} GiB and CUDA graphs "
+        f"{graph_reserve / gib:.2f} GiB leaves {kv_bytes / gib:.3f} GiB (one block is {bytes_per_block} bytes): "
+        "raise --gpu-memory-utilization, lower --max-num-batched-tokens, or give --kv-cache-memory")

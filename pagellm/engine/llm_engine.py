@@ -14,6 +14,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.admission import prepare_request
 from pagellm.engine.beam_search import BeamSearchGroup
+from pagellm.engine.gpu_memory import log_kv_sizing, size_kv_cache
 from pagellm.engine.isolation import error_output, sample_isolated
 from pagellm.engine.kv_sizing import fit_max_model_len
 from pagellm.engine.output_processor import RequestState, SequenceState
@@ -98,7 +99,8 @@ class LLMEngine:
         platform.check_available()
         platform.set_num_threads(args.num_threads)
         torch.manual_seed(args.seed)  # unseeded sampling is reproducible per engine run
-        self.device = torch.device(args.device)
+        platform.use_device()
+        self.device = platform.device if platform.name == "cuda" else torch.device(args.device)
         self.dtype = dtype = platform.resolve_dtype(args.dtype)
         path = resolve_model_path(args.model)
         self.model_path = path
@@ -106,29 +108,24 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_path(args.tokenizer or path)
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
         if args.executor_backend != "uni":
+            if platform.name == "cuda":
+                raise ValueError("tensor and pipeline parallelism run on the CPU (gloo worker processes); on "
+                                 "cuda the engine runs one GPU: drop -tp / -pp / --distributed-executor-backend")
             check_splittable(cfg, tp, pp)  # before any process starts
 
         cache = args.cache_config()
         self.kv_dtype = kv_dtype = resolve_kv_dtype(args, dtype, platform)
         # per rank: --kv-cache-memory is each worker's (as vLLM's is per GPU); every rank holds every block
         self.bytes_per_block = kv_bytes_per_block(cfg, cache.block_size, kv_dtype, tp, pp)
-        num_blocks = cache.kv_cache_memory // self.bytes_per_block
-        if num_blocks < 1:
+        # On a GPU without --kv-cache-memory the cache gets what is left after loading (engine/gpu_memory.py).
+        gpu_sized = args.kv_cache_memory is None and platform.total_memory() is not None
+        num_blocks = None if gpu_sized else cache.kv_cache_memory // self.bytes_per_block
+        if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} bytes is less than one KV block "
                              f"({self.bytes_per_block} bytes: {cache.block_size} tokens of "
                              f"{self.bytes_per_block // cache.block_size} bytes)")
-        num_host_blocks = args.swap_space // self.bytes_per_block if args.preemption_mode == "swap" else 0
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
-        # A sequence can never be longer than the whole cache holds, so that is a length limit too.
-        sched_cfg = args.scheduler_config(fit_max_model_len(args.max_model_len, cfg.max_position_embeddings,
-                                                            self.kv_cache.capacity_tokens, cache.kv_cache_memory))
-        if not sched_cfg.enable_chunked_prefill:
-            # Without chunking, a whole (re-)prefill must fit in one step's budget.
-            sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.kv_cache, args.preemption_mode)
-        self.max_model_len = sched_cfg.max_model_len
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         backend = get_attention_backend(args.attention_backend, platform, kv_dtype, dtype, args.dtype == "auto")
+        graph_sizes = platform.decode_graph_sizes(backend.name, args.max_num_seqs, args.enforce_eager)
         self.model = self.runner = None  # in this process only with the "uni" executor
         if args.executor_backend == "uni":
             self.model = get_model(path, cfg, platform, dtype, self.device, args.int8_activations,
@@ -136,8 +133,30 @@ class LLMEngine:
                                    quantization=args.quantization,
                                    quantization_group_size=args.quantization_group_size)
             self.weights_bytes = model_weight_bytes(self.model)
+        gpu_memory = None
+        if gpu_sized:
+            gpu_memory = size_kv_cache(platform, self.model, backend, kv_dtype, args, cfg, self.bytes_per_block,
+                                       self.weights_bytes, max(graph_sizes, default=0))
+            num_blocks = gpu_memory.num_blocks
+            torch.manual_seed(args.seed)  # the profiling step sampled: unseeded sampling starts where it would
+        kv_memory = num_blocks * self.bytes_per_block if gpu_sized else cache.kv_cache_memory
+        num_host_blocks = args.swap_space // self.bytes_per_block if args.preemption_mode == "swap" else 0
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
+        # A sequence can never be longer than the whole cache holds, so that is a length limit too.
+        sched_cfg = args.scheduler_config(fit_max_model_len(args.max_model_len, cfg.max_position_embeddings,
+                                                            self.kv_cache.capacity_tokens, kv_memory))
+        if not sched_cfg.enable_chunked_prefill:
+            # Without chunking, a whole (re-)prefill must fit in one step's budget.
+            sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.kv_cache, args.preemption_mode)
+        self.max_model_len = sched_cfg.max_model_len
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
+        if gpu_memory is not None:
+            log_kv_sizing(gpu_memory, cfg, path, dtype, kv_dtype, args, cache.block_size, self.max_model_len)
+        if self.model is not None:
             self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device, backend,
-                                      platform, num_host_blocks=num_host_blocks)
+                                      platform, num_host_blocks=num_host_blocks, graph_sizes=graph_sizes,
+                                      max_model_len=self.max_model_len)
             self.executor = UniprocExecutor(self.runner)
         else:
             self.executor = start_workers(args, path, dtype, kv_dtype, num_blocks, num_host_blocks)
@@ -156,7 +175,8 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - t0
         if self.model is not None:
             impl = next((m.impl for m in self.model.modules() if isinstance(m, CustomOp)), "native")
-            where = ", one-call native decoder" if self.runner.compiled_decoder is not None else ""
+            compiled = self.runner.compiled_decoder
+            where = "" if compiled is None else ", " + getattr(compiled, "label", "one-call native decoder")
         else:
             impl, where = "native", f"; {tp * pp} worker processes (tensor parallel {tp} x pipeline parallel {pp})"
         per_rank = " on the busiest rank" if self.model is None else ""

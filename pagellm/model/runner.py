@@ -17,7 +17,10 @@ import torch
 from pagellm.core.kv_cache_manager import BlockCopies
 from pagellm.core.step_message import ScheduledRows, StepMessage, WorkerBatch
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
+from pagellm.model.cuda_graphs import DecodeGraphRunner, length_tensors
+from pagellm.model.kv_swap import HostSwap, PinnedSwap
 from pagellm.model.layers.linear import Linear
+from pagellm.platforms.base import to_device
 from pagellm.quant.kv_cache import kv_row_width
 from pagellm.quant.linear_method import drafts_in_step, path_rows
 from pagellm.sample.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
@@ -41,7 +44,9 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, backend: AttentionBackend, platform, num_host_blocks: int = 0,
-                 pipeline=None):
+                 pipeline=None, graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None):
+        """graph_sizes: padded decode batch sizes to run as CUDA graphs (the platform's decode_graph_sizes;
+        () for none), whose block tables span max_model_len."""
         cfg = model.config
         self.model = model
         self.device = device
@@ -51,17 +56,26 @@ class ModelRunner:
         self.pipeline = pipeline  # pagellm.distributed PipelineLink, or None: one stage
         start, end = model.layer_range
         kv_heads = model.layers[start].self_attn.num_kv_heads  # this rank's (tensor parallelism splits them)
+        whole = getattr(model, "parallel", None) is None
+        graphs = bool(graph_sizes) and whole
         # The last dimension is head_dim, or head_dim + 2 for int8 rows with their in-band scale, so every
-        # block copy below (swap, copy-on-write) carries the scales with the values.
-        shape = (2, num_blocks, block_size, kv_heads, kv_row_width(cfg.head_dim, kv_dtype))
+        # block copy below (swap, copy-on-write) carries the scales with the values. With graphs, one block
+        # more than the manager hands out: the padding rows of a graph's batch write there (cuda_graphs.py).
+        shape = (2, num_blocks + graphs, block_size, kv_heads, kv_row_width(cfg.head_dim, kv_dtype))
         self.kv_caches = [platform.allocate_kv(shape, kv_dtype) for _ in range(end - start)]
-        # Swap space: one host tensor for all layers, [layers, 2, host_blocks, block_size, kv_heads, row width].
-        host_shape = (end - start, 2, num_host_blocks, *shape[2:])
-        self.host_cache = platform.allocate_swap(host_shape, kv_dtype) if num_host_blocks else None
+        # Swap space in host memory; on a GPU pinned, copied asynchronously on a side stream (kv_swap.py).
+        self.swap = None
+        if num_host_blocks and device.type == "cuda":
+            self.swap = PinnedSwap(self.kv_caches, num_host_blocks, platform.allocate_swap,
+                                   torch.cuda.Stream(device))
+        elif num_host_blocks:
+            self.swap = HostSwap(self.kv_caches, num_host_blocks, platform.allocate_swap)
         # Built once the weights are final (they are: the loader ran); holds raw pointers into the model,
         # and runs every layer in one call: only for a whole model (no collectives between layers).
-        whole = getattr(model, "parallel", None) is None
         self.compiled_decoder = platform.compile_decoder(model, backend.name, kv_dtype) if whole else None
+        if graphs and self.compiled_decoder is None:  # captured now: the graphs hold the caches' addresses
+            self.compiled_decoder = DecodeGraphRunner(model, backend, self.kv_caches, block_size, max_model_len,
+                                                      graph_sizes, num_blocks, device, device.type == "cuda")
         # the platform's choices (every Linear got the same), for path_rows
         self._choices = next(m.quant_method.choices for m in model.modules() if isinstance(m, Linear))
         self.batch = WorkerBatch()
@@ -90,12 +104,16 @@ class ModelRunner:
         table = [t + [0] * (max_blocks - len(t)) for t in tables]
 
         def tensor(values):
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return to_device(values, self.device, torch.int64)
 
         pos = tensor(positions)
+        # on a GPU, the int32 lengths the Triton backend reads, copied without a stream sync (it would copy
+        # them itself, waiting for the GPU)
+        lengths = {} if self.device.type == "cpu" else length_tensors(
+            to_device(starts, self.device, torch.int32), to_device(seq_lens, self.device, torch.int32))
         meta = AttentionMetadata(
             slot_mapping=tensor(slots), block_tables=tensor(table), query_start_loc=starts, seq_lens=seq_lens,
-            block_size=bs, sliding_window=self.sliding_window, row_seq=tensor(row_req), positions=pos)
+            block_size=bs, sliding_window=self.sliding_window, row_seq=tensor(row_req), positions=pos, **lengths)
         return tensor(ids), pos, meta
 
     @torch.inference_mode()
@@ -175,7 +193,7 @@ class ModelRunner:
                 for r in range(starts[i + 1] - 1 - len(row.spec_token_ids), starts[i + 1])]
         result.sample_rows = [first + i for i, row in enumerate(rows) if row.samples]
         if keep:
-            result.logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(keep, device=self.device)))
+            result.logits = self.model.compute_logits(hidden.index_select(0, to_device(keep, self.device)))
         return result
 
     def _prompt_logprobs(self, rows: list[ScheduledRows], first_row: int, hidden: torch.Tensor,
@@ -218,16 +236,13 @@ class ModelRunner:
     def _copy_blocks(self, copies: BlockCopies) -> None:
         """Swap out, swap in, then copy-on-write, all before the forward writes any new KV."""
         if copies.swap_out:
-            dev, host = (torch.tensor(x) for x in zip(*copies.swap_out, strict=True))
-            for layer, cache in enumerate(self.kv_caches):
-                self.host_cache[layer][:, host] = cache[:, dev.to(self.device)].cpu()
+            self.swap.swap_out(copies.swap_out)
         if copies.swap_in:
-            host, dev = (torch.tensor(x) for x in zip(*copies.swap_in, strict=True))
-            dev = dev.to(self.device)
-            for layer, cache in enumerate(self.kv_caches):
-                cache[:, dev] = self.host_cache[layer][:, host].to(self.device, non_blocking=True)
+            self.swap.swap_in(copies.swap_in)
+        if self.swap is not None:
+            self.swap.wait()  # the compute stream waits for what it reads or overwrites (a GPU's side stream)
         if copies.cow:
-            src, dst = (torch.tensor(x, device=self.device) for x in zip(*copies.cow, strict=True))
+            src, dst = (to_device(x, self.device) for x in zip(*copies.cow, strict=True))
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
 

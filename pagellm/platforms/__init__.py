@@ -17,17 +17,21 @@ _PLATFORMS: dict[str, Platform] = {}
 
 
 def get_platform(device: str = "cpu") -> Platform:
-    """The platform for a device string ("cpu", "cuda", "cuda:1"); probed once per device kind."""
-    kind = str(device).split(":")[0]
-    if kind not in _PLATFORMS:
+    """The platform for a device string ("cpu", "cuda", "cuda:1"); probed once per device (each GPU is its
+    own platform: its memory and compute capability may differ)."""
+    kind, _, index = str(device).partition(":")
+    key = kind if kind != "cuda" or not index else f"cuda:{index}"
+    if key not in _PLATFORMS:
         if kind == "cpu":
             from pagellm.platforms.cpu import CpuPlatform
 
-            _PLATFORMS[kind] = CpuPlatform()
+            _PLATFORMS[key] = CpuPlatform()
         elif kind == "cuda":
             from pagellm.platforms.cuda import CudaPlatform
 
-            _PLATFORMS[kind] = CudaPlatform()
+            if index and not index.isdigit():
+                raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+            _PLATFORMS[key] = CudaPlatform(int(index) if index else None)
         else:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    return _PLATFORMS[kind]
+    return _PLATFORMS[key]

@@ -11,6 +11,15 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A Python list as a tensor on `device` without making the host wait for the GPU: torch's plain
+    host-to-device copy synchronizes the stream, a non_blocking one from pinned memory does not (the pinned
+    buffer is recycled only once the copy is done). On the CPU, the plain tensor."""
+    if torch.device(device).type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class OpChoices:
     """Which implementation the model's ops and weight formats use, decided once per model load.
@@ -51,6 +60,9 @@ class Platform:
 
     def check_available(self) -> None:
         """Raises a one-line error when the device cannot be used here."""
+
+    def use_device(self) -> None:
+        """Makes this device the current one for what launches on "the current device" (cuda:N)."""
 
     # ---- decisions --------------------------------------------------------------------------
     def resolve_dtype(self, requested: str) -> torch.dtype:
@@ -95,6 +107,12 @@ class Platform:
         """A compiled few-row forward for the runner (the CPU's one-call native decoder), or None."""
         return None
 
+    def decode_graph_sizes(self, backend_name: str, max_num_seqs: int, enforce_eager: bool) -> tuple[int, ...]:
+        """Padded batch sizes whose decode step the runner captures as a graph and replays; () for none. The
+        runner builds the graphs (pagellm/model/cuda_graphs.py): platforms decide, they do not touch the
+        model's code."""
+        return ()
+
     # ---- memory and threads -----------------------------------------------------------------
     def allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -102,6 +120,18 @@ class Platform:
     def allocate_swap(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory for swapped-out KV blocks."""
         return torch.zeros(shape, dtype=dtype)
+
+    def total_memory(self) -> int | None:
+        """Device memory in bytes where the engine sizes its KV cache from it (a GPU), else None."""
+        return None
+
+    def memory_outside_torch(self) -> int:
+        return 0
+
+    def peak_memory_of(self, fn) -> int:
+        """Bytes allocated at fn()'s peak above what was allocated before (a GPU profiles it; else 0)."""
+        fn()
+        return 0
 
     def set_num_threads(self, num_threads: int | None) -> None:
         if num_threads:
