@@ -20,6 +20,7 @@ def beam_candidates(logits: torch.Tensor, params: list[SamplingParams], num_eos:
     logprobs = log_softmax(logits)
     n = max(beams_to_keep(p, num_eos) for p in params)
     values, ids = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)
-    # A masked token (a grammar's, -inf) is no candidate: a beam must never continue with it.
-    return [[(t, v) for t, v in zip(ids[i].tolist(), values[i].tolist(), strict=True) if v != _NEG_INF]
-            for i in range(len(params))]
+    # A masked token (a grammar's, -inf) is no candidate: a beam must never continue with it. One copy to
+    # the host for the whole batch (a copy per row would wait for the GPU once per row).
+    ids, values = ids.tolist(), values.tolist()
+    return [[(t, v) for t, v in zip(ids[i], values[i], strict=True) if v != _NEG_INF] for i in range(len(params))]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.platforms.base import to_device
+
 
 def verify(target_probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
            generator: torch.Generator | None) -> list[int]:
@@ -18,13 +20,16 @@ def verify(target_probs: torch.Tensor, draft: list[int], draft_probs: torch.Tens
     draft_probs: [k, V] or None for a point-mass proposer. Returns accepted drafts + one more token."""
     k = len(draft)
     device = target_probs.device
-    uniforms = torch.rand(k + 1, generator=generator, device=generator.device if generator else device)
+    uniforms = torch.rand(k + 1, generator=generator, device=generator.device if generator else device).tolist()
+    # p_i(x_i) and q_i(x_i) of every draft in one copy to the host each (not a wait per draft on a GPU)
+    idx = to_device(draft, device)[:, None]
+    p_toks = target_probs[:k].gather(1, idx).squeeze(1).tolist()
+    q_toks = [1.0] * k if draft_probs is None else draft_probs[:k].gather(1, idx).squeeze(1).tolist()
     out: list[int] = []
     for i, tok in enumerate(draft):
         p = target_probs[i]
-        q_tok = 1.0 if draft_probs is None else float(draft_probs[i, tok])
-        p_tok = float(p[tok])
-        if q_tok > 0 and float(uniforms[i]) * q_tok <= p_tok:  # u < p/q without dividing by a tiny q
+        q_tok, p_tok = q_toks[i], p_toks[i]
+        if q_tok > 0 and uniforms[i] * q_tok <= p_tok:  # u < p/q without dividing by a tiny q
             out.append(tok)
             continue
         if draft_probs is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.platforms.base import to_device
 from pagellm.sample.logprobs import log_softmax
 from pagellm.sample.token_masks import apply_token_masks, has_masks
 from pagellm.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ class Sampler:
         else:
             tokens = x.argmax(dim=-1)
             rand = [i for i, g in enumerate(greedy) if not g]
-            rand_idx = torch.tensor(rand, device=x.device)
+            rand_idx = to_device(rand, x.device)
             tokens[rand_idx] = _sample(x[rand_idx], [rows[i] for i in rand])
 
         token_ids = tokens.tolist()
@@ -114,8 +115,8 @@ def _apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
                 bias.append(float(b))
     if r_idx:
         dev = x.device
-        x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                     torch.tensor(bias, device=dev), accumulate=True)
+        x.index_put_((to_device(r_idx, dev), to_device(t_idx, dev)),
+                     to_device(bias, dev), accumulate=True)
 
 
 def _apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow], eos_token_ids: list[int]) -> None:
@@ -128,8 +129,8 @@ def _apply_min_tokens(x: torch.Tensor, rows: list[SamplingRow], eos_token_ids: l
                 t_idx.append(tok)
     if r_idx:
         dev = x.device
-        x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                     torch.tensor(_NEG_INF, device=dev))
+        x.index_put_((to_device(r_idx, dev), to_device(t_idx, dev)),
+                     torch.full((), _NEG_INF, device=dev))
 
 
 def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -138,9 +139,8 @@ def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -
     lengths = [len(ids) for ids in id_lists]
     if sum(lengths) == 0:
         return counts
-    flat = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long, device=device)
-    row = torch.repeat_interleave(torch.arange(len(id_lists), device=device),
-                                  torch.tensor(lengths, device=device))
+    flat = to_device(list(itertools.chain.from_iterable(id_lists)), device, torch.long)
+    row = torch.repeat_interleave(torch.arange(len(id_lists), device=device), to_device(lengths, device))
     counts.view(-1).index_put_((row * vocab + flat,), torch.ones_like(flat, dtype=torch.float32),
                                accumulate=True)
     return counts
@@ -157,7 +157,7 @@ def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     out_seen = out_counts > 0
 
     if any(p.repetition_penalty != 1.0 for p in params):
-        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+        rep = to_device([p.repetition_penalty for p in params], dev)[:, None]
         prompt_seen = _token_counts(
             [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows], vocab, dev) > 0
         # HF/vLLM: shrink a seen token's logit towards 0 whatever its sign, so it always gets less likely.
@@ -165,8 +165,8 @@ def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         x.copy_(torch.where(prompt_seen | out_seen, penalised, x))
 
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        freq = to_device([p.frequency_penalty for p in params], dev)[:, None]
+        pres = to_device([p.presence_penalty for p in params], dev)[:, None]
         x.sub_(freq * out_counts + pres * out_seen)
 
 
@@ -184,14 +184,14 @@ def _apply_top_k_top_p(x: torch.Tensor, ks: list[int], ps: list[float], n: int |
     if n is None:
         n = max([k for k in ks if k < vocab], default=1)
         n = min(vocab, max(n, _TOP_P_CANDIDATES) if top_p_only else n)
-    k = torch.tensor(ks, device=dev)
+    k = to_device(ks, dev)
     vals = x.topk(n, dim=-1, sorted=True).values
     kth = vals.gather(1, (k.clamp(max=n) - 1)[:, None]).masked_fill_((k >= vocab)[:, None], _NEG_INF)
     x.masked_fill_(x < kth, _NEG_INF)
     if not any(p < 1.0 for p in ps):
         return
 
-    p = torch.tensor(ps, device=dev)[:, None]
+    p = to_device(ps, dev)[:, None]
     vals.masked_fill_(vals < kth, _NEG_INF)
     probs = (vals - x.logsumexp(dim=-1, keepdim=True)).exp()
     # A token stays if the mass strictly above it is < p: the smallest prefix whose mass reaches p.
@@ -242,13 +242,13 @@ def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab = x.shape[1]
     dev = x.device
     params = [r.params for r in rows]
-    x.div_(torch.tensor([p.temperature for p in params], device=dev)[:, None])
+    x.div_(to_device([p.temperature for p in params], dev)[:, None])
 
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in ks) or any(p.top_p < 1.0 for p in params):
         _apply_top_k_top_p(x, ks, [p.top_p for p in params])
     if any(p.min_p > 0.0 for p in params):
-        _apply_min_p(x, torch.tensor([p.min_p for p in params], device=dev))
+        _apply_min_p(x, to_device([p.min_p for p in params], dev))
 
     return x.softmax(dim=-1)
 

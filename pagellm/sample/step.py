@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.core.scheduler import ScheduledRequest
+from pagellm.platforms.base import to_device
 from pagellm.sample.beam import beam_candidates
 from pagellm.sample.logprobs import log_softmax
 from pagellm.sample.rejection import verify, verify_greedy
@@ -74,25 +75,37 @@ class StepSampler:
         return sampled
 
     def _verify(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
-        """Rejection-sample each speculating request's drafts against its k + 1 rows of target logits."""
-        out, row = {}, 0
+        """Rejection-sample each speculating request's drafts against its k + 1 rows of target logits. Greedy
+        requests are processed together (processing is row by row) and their argmaxes read in one copy."""
+        work, row = [], 0  # (ScheduledRequest, its rows of logits, their SamplingRows, its generator)
         for s in scheduled:
             n = 1 + len(s.spec_token_ids)
-            if not s.spec_token_ids:
-                row += n
-                continue
-            req, spec = s.request, s.spec_token_ids
-            x = logits[row:row + n]
+            if s.spec_token_ids:
+                req, spec = s.request, s.spec_token_ids
+                base = self.sampling_row(req)
+                rows = [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + spec[:j],
+                                    base.generator) for j in range(n)]
+                work.append((s, range(row, row + n), rows, base.generator))
             row += n
-            base = self.sampling_row(req)
-            rows = [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + spec[:j], base.generator)
-                    for j in range(n)]
-            processed = self.sampler.process(x, rows)
+        greedy = [w for w in work if w[0].request.params.greedy]
+        argmax: dict[str, list[int]] = {}
+        if greedy:
+            idx = to_device([r for w in greedy for r in w[1]], logits.device)
+            best = self.sampler.process(logits[idx], [r for w in greedy for r in w[2]]).argmax(dim=-1).tolist()
+            at = 0
+            for s, rows, _, _ in greedy:
+                argmax[s.request.request_id] = best[at:at + len(rows)]
+                at += len(rows)
+        out = {}
+        for s, rows, sampling_rows, generator in work:  # in batch order: unseeded draws share the global RNG
+            req, spec = s.request, s.spec_token_ids
+            x = logits[rows.start:rows.stop]
             if req.params.greedy:
-                tokens = verify_greedy(processed.argmax(dim=-1).tolist(), spec)
+                tokens = verify_greedy(argmax[req.request_id], spec)
             else:
                 draft_probs = s.draft_probs.to(self.device) if s.draft_probs is not None else None
-                tokens = verify(sampling_probs(processed, rows), spec, draft_probs, base.generator)
+                tokens = verify(sampling_probs(self.sampler.process(x, sampling_rows), sampling_rows), spec,
+                                draft_probs, generator)
             out[req.request_id] = self._with_logprobs(req, x, tokens)
         return out
 
@@ -101,11 +114,12 @@ class StepSampler:
         want = req.params.logprobs
         if want is None:
             results = [SampledToken(t) for t in tokens]
-        else:
+        else:  # one copy to the host for each of the chosen and top logprobs (not one per token)
             lp = log_softmax(logits[:len(tokens)])
+            chosen = lp.gather(1, to_device(tokens, lp.device)[:, None]).squeeze(1).tolist()
             top = lp.topk(want, dim=-1) if want else None
-            results = [SampledToken(t, float(lp[j, t]),
-                                    list(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
+            top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else (None, None)
+            results = [SampledToken(t, chosen[j], list(zip(top_ids[j], top_lps[j], strict=True))
                                     if top is not None else [])
                        for j, t in enumerate(tokens)]
         last = results[-1]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.platforms.base import to_device
+
 _NEG_INF = float("-inf")
 
 
@@ -35,8 +37,8 @@ def _apply_allowed(x: torch.Tensor, rows) -> None:
         r_idx.extend([j] * len(ids))
         t_idx.extend(ids)
     keep = torch.zeros(len(masked), vocab, dtype=torch.bool, device=dev)
-    keep[torch.tensor(r_idx, dtype=torch.long, device=dev), torch.tensor(t_idx, dtype=torch.long, device=dev)] = True
-    rows_t = torch.tensor(masked, device=dev)
+    keep[to_device(r_idx, dev, torch.long), to_device(t_idx, dev, torch.long)] = True
+    rows_t = to_device(masked, dev)
     x[rows_t] = x[rows_t].masked_fill(~keep, _NEG_INF)
 
 
@@ -54,8 +56,7 @@ def _apply_bad_words(x: torch.Tensor, rows) -> None:
                 t_idx.append(seq[-1])
     if r_idx:
         dev = x.device
-        x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                     torch.tensor(_NEG_INF, device=dev))
+        x.index_put_((to_device(r_idx, dev), to_device(t_idx, dev)), torch.full((), _NEG_INF, device=dev))
 
 
 def bad_words_token_ids(words: list[str], encode) -> list[list[int]]:
