@@ -2,10 +2,11 @@
 
 The weights are loaded first; then one profiling step (pagellm/model/memory_profile.py: max_num_batched_tokens
 prompt tokens, the logits and sampling of max_num_seqs rows) gives the activation peak; the KV cache gets
-`--gpu-memory-utilization` x the GPU's memory less the weights, that peak, memory held outside torch and
-an estimate of the CUDA graphs' pool (the arithmetic: engine/kv_sizing.py). An explicit `--kv-cache-memory`
-skips all of this. The start-up line puts these numbers next to what `pagellm plan` predicts for the GPU
-(the plan estimates the activations instead of measuring them).
+`--gpu-memory-utilization` x the GPU's memory less the weights, that peak, any other memory in use (the
+CUDA context, other engines or processes on the GPU) and an estimate of the CUDA graphs' pool (the
+arithmetic: engine/kv_sizing.py). An explicit `--kv-cache-memory` skips all of this. The start-up line puts
+these numbers next to what `pagellm plan` predicts for the GPU (the plan estimates the activations instead
+of measuring them).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class GpuMemory:
     utilization: float
     weights: int
     activation_peak: int
-    outside_torch: int
+    other_in_use: int
     graph_reserve: int
     kv_bytes: int
     num_blocks: int
@@ -60,12 +61,13 @@ def size_kv_cache(platform, model, backend, kv_dtype: torch.dtype, args: EngineA
 
     peak = platform.peak_memory_of(step)
     peak = max(0, peak - scratch_bytes) if peak else 0  # the throwaway cache is not activation memory
-    outside = platform.memory_outside_torch()
+    # everything else in use: the CUDA context, cuBLAS workspaces, other engines and processes on the GPU
+    other = max(0, platform.memory_in_use() - weights)
     total, util = platform.total_memory(), args.gpu_memory_utilization
     reserve = graph_pool_reserve(peak, tokens, largest_graph_batch)
-    kv_bytes = gpu_kv_cache_bytes(total, util, weights, peak, outside, reserve)
-    blocks = check_gpu_kv_budget(kv_bytes, bytes_per_block, total, util, weights, peak, outside, reserve)
-    return GpuMemory(total, util, weights, peak, outside, reserve, kv_bytes, blocks, bytes_per_block, tokens)
+    kv_bytes = gpu_kv_cache_bytes(total, util, weights, peak, other, reserve)
+    blocks = check_gpu_kv_budget(kv_bytes, bytes_per_block, total, util, weights, peak, other, reserve)
+    return GpuMemory(total, util, weights, peak, other, reserve, kv_bytes, blocks, bytes_per_block, tokens)
 
 
 def log_kv_sizing(mem: GpuMemory, cfg: ModelConfig, model_name: str, dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -85,9 +87,9 @@ def log_kv_sizing(mem: GpuMemory, cfg: ModelConfig, model_name: str, dtype: torc
         predicted = ""
     logger.info(
         "GPU memory: %.2f x %.1f GiB = %.2f GiB: weights %.2f GiB, activation peak %.2f GiB (a %d-token step, "
-        "profiled), outside torch %.2f GiB, CUDA graphs %.2f GiB (estimate) -> KV cache %.2f GiB = %d blocks "
+        "profiled), other memory in use %.2f GiB, CUDA graphs %.2f GiB (estimate) -> KV cache %.2f GiB = %d blocks "
         "(%d tokens); max concurrency at max_model_len %d: %.1f sequences%s",
         mem.utilization, mem.total / gib, mem.total * mem.utilization / gib, mem.weights / gib,
-        mem.activation_peak / gib, mem.profiled_tokens, mem.outside_torch / gib, mem.graph_reserve / gib,
+        mem.activation_peak / gib, mem.profiled_tokens, mem.other_in_use / gib, mem.graph_reserve / gib,
         mem.num_blocks * mem.bytes_per_block / gib, mem.num_blocks, tokens, max_model_len,
         tokens / max_model_len, predicted)

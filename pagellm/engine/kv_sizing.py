@@ -32,11 +32,11 @@ def fit_max_model_len(requested: int | None, model_len: int, kv_tokens: int, kv_
 
 
 def gpu_kv_cache_bytes(total: int, utilization: float, weights: int, activation_peak: int,
-                       outside_torch: int = 0, graph_reserve: int = 0) -> int:
+                       other_in_use: int = 0, graph_reserve: int = 0) -> int:
     """What a GPU's KV cache gets (vLLM's rule): utilization x total memory, less the weights, the activation
-    peak of the biggest step (profiled), memory held outside torch (CUDA context, cuBLAS workspaces, other
-    processes) and a reserve for the CUDA graphs' memory pool. Negative when nothing is left."""
-    return int(total * utilization) - weights - activation_peak - outside_torch - graph_reserve
+    peak of the biggest step (profiled), other memory in use (CUDA context, cuBLAS workspaces, other engines
+    and processes) and a reserve for the CUDA graphs' memory pool. Negative when nothing is left."""
+    return int(total * utilization) - weights - activation_peak - other_in_use - graph_reserve
 
 
 def graph_pool_reserve(activation_peak: int, profiled_tokens: int, largest_graph_batch: int) -> int:
@@ -49,7 +49,7 @@ def graph_pool_reserve(activation_peak: int, profiled_tokens: int, largest_graph
 
 
 def check_gpu_kv_budget(kv_bytes: int, bytes_per_block: int, total: int, utilization: float, weights: int,
-                        activation_peak: int, outside_torch: int, graph_reserve: int) -> int:
+                        activation_peak: int, other_in_use: int, graph_reserve: int) -> int:
     """The number of KV blocks kv_bytes holds; a one-line error naming every term when not one fits."""
     if kv_bytes >= bytes_per_block:
         return kv_bytes // bytes_per_block
@@ -57,6 +57,6 @@ def check_gpu_kv_budget(kv_bytes: int, bytes_per_block: int, total: int, utiliza
     raise ValueError(
         f"no GPU memory left for the KV cache: {utilization} x {total / gib:.2f} GiB = "
         f"{int(total * utilization) / gib:.2f} GiB, less weights {weights / gib:.2f} GiB, activation peak "
-        f"{activation_peak / gib:.2f} GiB, memory outside torch {outside_torch / gib:.2f} GiB and CUDA graphs "
+        f"{activation_peak / gib:.2f} GiB, other memory in use {other_in_use / gib:.2f} GiB and CUDA graphs "
         f"{graph_reserve / gib:.2f} GiB leaves {kv_bytes / gib:.3f} GiB (one block is {bytes_per_block} bytes): "
         "raise --gpu-memory-utilization, lower --max-num-batched-tokens, or give --kv-cache-memory")

@@ -125,7 +125,8 @@ class Platform:
         """Device memory in bytes where the engine sizes its KV cache from it (a GPU), else None."""
         return None
 
-    def memory_outside_torch(self) -> int:
+    def memory_in_use(self) -> int:
+        """Device memory in use now (weights included), where total_memory() is known."""
         return 0
 
     def peak_memory_of(self, fn) -> int:

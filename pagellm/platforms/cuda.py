@@ -107,11 +107,11 @@ class CudaPlatform(Platform):
     def total_memory(self) -> int:
         return self.memory
 
-    def memory_outside_torch(self) -> int:
-        """Device memory in use that torch's allocator does not hold: the CUDA context, cuBLAS workspaces,
-        other processes. The KV budget leaves it out, as vLLM does."""
+    def memory_in_use(self) -> int:
+        """Device memory in use now, by anyone: this process's tensors and allocator cache, the CUDA context,
+        cuBLAS workspaces, other engines and processes on the GPU."""
         free, total = torch.cuda.mem_get_info(self.index)
-        return max(0, total - free - torch.cuda.memory_reserved(self.index))
+        return total - free
 
     def peak_memory_of(self, fn: Callable[[], None]) -> int:
         """Bytes torch allocated at the peak of fn() above what was allocated before it (the activations of a
