@@ -159,7 +159,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8
 QUANTIZATIONS = ("auto", "none", "gptq", "awq", "fp8", "compressed-tensors", "int8", "int4")
 # Group sizes along K of int4 at load and of `pagellm quantize` (multiples of the kernels' 32-weight blocks).
 QUANT_GROUP_SIZES = (32, 64, 128)
-ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa_batched", "torch_sdpa_reference")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_sdpa_batched", "torch_sdpa_reference", "triton_paged")
 # Earlier names, still accepted (with a deprecation warning) so existing scripts and configs keep working.
 ATTENTION_BACKEND_ALIASES = {"native": "cpu_paged", "batched": "torch_sdpa_batched",
                              "reference": "torch_sdpa_reference"}
@@ -370,7 +370,8 @@ class EngineArgs:
         g.add_argument("--attention-backend", default=d.attention_backend,
                        choices=[*ATTENTION_BACKENDS, *ATTENTION_BACKEND_ALIASES], metavar="BACKEND",
                        help="auto (the platform's choice: cpu_paged, the native CPU kernel, when it builds, "
-                            "else torch_sdpa_batched), cpu_paged, torch_sdpa_batched or torch_sdpa_reference; "
+                            "else torch_sdpa_batched), cpu_paged, torch_sdpa_batched, torch_sdpa_reference or "
+                            "triton_paged (CUDA, Triton kernels: pip install 'pagellm[cuda]'); "
                             "the old names native, batched and reference still work (deprecated)")
         g.add_argument("--packed-weights-only", action=argparse.BooleanOptionalAction,
                        default=d.packed_weights_only,

@@ -22,6 +22,10 @@ class AttentionMetadata:
     sliding_window: int | None = None
     row_seq: torch.Tensor | None = None  # [T] int64: the request (row of block_tables) of each query row
     positions: torch.Tensor | None = None  # [T] int64: each query row's position in its sequence
+    # query_start_loc and seq_lens as int32 tensors on the device, for kernels that read them there
+    # (triton_paged). A CUDA-graph runner fills persistent ones; left None, the backend builds them.
+    query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32
+    seq_lens_t: torch.Tensor | None = None  # [B] int32
 
     @property
     def num_reqs(self) -> int:

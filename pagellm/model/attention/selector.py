@@ -21,6 +21,7 @@ BACKENDS = {
     "cpu_paged": ("pagellm.model.attention.cpu_paged", "CpuPagedAttention"),
     "torch_sdpa_batched": ("pagellm.model.attention.torch_sdpa_batched", "TorchSdpaBatchedAttention"),
     "torch_sdpa_reference": ("pagellm.model.attention.torch_sdpa_reference", "TorchSdpaReferenceAttention"),
+    "triton_paged": ("pagellm.model.attention.triton_paged", "TritonPagedAttention"),
 }
 ALIASES = {"native": "cpu_paged", "batched": "torch_sdpa_batched", "reference": "torch_sdpa_reference"}
 BACKEND_NAMES = ("auto", *BACKENDS)
@@ -48,4 +49,6 @@ def get_attention_backend(name: str, platform, kv_dtype: torch.dtype = torch.flo
     backend = getattr(importlib.import_module(module), cls)
     if name == "cpu_paged":
         return backend(bf16_prefill=platform.bf16_prefill_attention(auto_dtype, kv_dtype))
+    if name == "triton_paged":
+        return backend(kv_dtype=kv_dtype)  # refuses what it cannot read (int8 rows) before any step
     return backend()
