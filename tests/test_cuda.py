@@ -3,7 +3,7 @@
 Marked `cuda` and skipped where torch sees no GPU (CI is CPU-only): `benchmarks/gpu_check.sh` runs it on a
 GPU machine (`pytest -m cuda tests/test_cuda.py`). What it checks:
 - float32 on the GPU gives the CPU's greedy tokens wherever the CPU's top two logprobs are more than
-  1e-3 apart (float32 sums in another order on a GPU); bfloat16 wherever they are more than 0.25 apart;
+  1e-3 apart (float32 sums in another order on a GPU); bfloat16 wherever they are more than 1 nat apart;
 - every KV block comes back when the requests finish, with CUDA graphs and without;
 - CUDA graphs (padded decode batches replayed) and --enforce-eager give the same tokens;
 - swap preemption (pinned host blocks, copies on a side stream) gives the unpreempted run's tokens;
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.bench.random_model import write_random_llama
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible to torch", allow_module_level=True)
@@ -28,12 +29,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprob
 
 
 @pytest.fixture(scope="module")
-def make(tiny_hf_model, smollm_gguf_path):
-    path = tiny_hf_model("llama", max_position_embeddings=1024)
+def make(tmp_path_factory):
+    """A tiny random Llama (2 layers, hidden 64, 4 heads / 2 KV heads, vocab 512) with its own id tokenizer:
+    nothing but torch, safetensors and tokenizers needed. std 0.5 peaks the logits (median top-two margin
+    ~0.9 nats) so that greedy runs have margins to compare on."""
+    path = write_random_llama(str(tmp_path_factory.mktemp("tiny-cuda")), hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                              max_position_embeddings=1024, dtype=torch.float32, std=0.5, norm_std=0.2)
 
     def make_llm(device: str, **kw) -> LLM:
         kw.setdefault("kv_cache_memory", "16MiB")
-        return LLM(path, tokenizer=smollm_gguf_path, device=device, **kw)
+        return LLM(path, device=device, **kw)
 
     return make_llm
 
@@ -84,13 +90,18 @@ def test_float32_on_the_gpu_gives_the_cpu_tokens(make, cpu_reference, eager):
     assert_idle(llm)
 
 
-def test_bfloat16_matches_where_margins_allow(make, cpu_reference):
-    ps, expected = cpu_reference
+def test_bfloat16_matches_where_margins_allow(make):
+    """bf16 rounds every product to 8 significant bits: on this peaked tiny model a logit moves by a few
+    tenths of a nat, so tokens are compared where float32 on the CPU led by more than 1 nat, over 48 prompts
+    (most first tokens, fewer later ones: a sequence is compared up to its first close call)."""
+    ps = prompts(48, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    expected = run(make("cpu", dtype="float32"), ps, params)
     llm = make("cuda", dtype="auto")  # bf16 from sm80 on (float16 before)
     assert llm.engine.dtype in (torch.bfloat16, torch.float16)
-    compared, total = agreement(expected, run(llm, ps), margin=0.25)
-    assert compared > 0, (compared, total)
-    print(f"bfloat16: {compared} of {total} tokens compared (CPU margin >= 0.25), all equal")
+    compared, total = agreement(expected, run(llm, ps, params), margin=1.0)
+    assert compared >= 12, (compared, total)
+    print(f"bfloat16: {compared} of {total} tokens compared (CPU float32 margin >= 1 nat), all equal")
     assert_idle(llm)
 
 

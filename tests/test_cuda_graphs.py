@@ -253,3 +253,35 @@ def test_engine_sizes_its_kv_cache_from_device_memory(tiny, smollm_gguf_path, mo
     assert f"= {expected} blocks" in caplog.text
     assert "pagellm plan predicts" in caplog.text
     assert _generate(llm, [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3)) != [[]]
+
+
+def test_random_checkpoint_loads_and_its_id_tokenizer_round_trips(tmp_path):
+    """The writer behind tests/test_cuda.py and benchmarks/gpu_check.py (Llama-3 shapes there, tiny here)."""
+    from pagellm.bench.random_model import write_random_llama
+
+    path = write_random_llama(str(tmp_path / "m"), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=128, vocab_size=300, dtype=torch.float32,
+                              max_position_embeddings=256, tie_word_embeddings=True)
+    llm = LLM(path, kv_cache_memory="4MiB")
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.text.split() == [f"<t{t}>" for t in out.token_ids]
+    assert llm.engine.model_config.tie_word_embeddings and llm.engine.eos_token_ids == {2}
+
+
+def test_gpu_check_driver_imports_and_counts_flops():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    from pagellm.bench.random_model import SHAPES
+    from pagellm.config import ModelConfig
+
+    assert gpu_check.build_parser().parse_args(["--models", "llama3-1b"]).w2_requests == 1024
+    cfg = ModelConfig(**SHAPES["llama3-8b"])
+    assert 8.0e9 < cfg.num_params < 8.1e9
+    # one token through no context: 2 x the matrices, plus the LM head for its one sampled token
+    matrices = cfg.num_params - 2 * cfg.vocab_size * cfg.hidden_size - (2 * cfg.num_hidden_layers + 1) * 4096
+    one = gpu_check.workload_flops(cfg, [(1, 1)])
+    assert one == 2 * matrices + 2 * cfg.hidden_size * cfg.vocab_size + 4 * 32 * 4096
