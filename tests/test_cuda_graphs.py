@@ -65,6 +65,11 @@ def test_gpu_kv_budget_arithmetic():
 def test_engine_args_gpu_options():
     assert EngineArgs().gpu_memory_utilization == 0.9 and not EngineArgs().enforce_eager
     assert EngineArgs().cache_config().kv_cache_memory == 2**30  # the CPU's default when none is given
+    # dtype: float32 on the CPU unless asked, the platform's choice (bf16) on a GPU; float16 only there
+    assert (EngineArgs().dtype, EngineArgs(device="cuda:1").dtype) == ("float32", "auto")
+    assert EngineArgs(device="cuda", dtype="float16").dtype == "float16"
+    with pytest.raises(ValueError, match="float16 computes on a GPU only"):
+        EngineArgs(dtype="float16")
     for bad in (0, 1.5, -0.1, "0.9", True):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             EngineArgs(gpu_memory_utilization=bad)
@@ -285,3 +290,16 @@ def test_gpu_check_driver_imports_and_counts_flops():
     matrices = cfg.num_params - 2 * cfg.vocab_size * cfg.hidden_size - (2 * cfg.num_hidden_layers + 1) * 4096
     one = gpu_check.workload_flops(cfg, [(1, 1)])
     assert one == 2 * matrices + 2 * cfg.hidden_size * cfg.vocab_size + 4 * 32 * 4096
+
+
+def test_gguf_weights_are_dequantized_to_the_compute_dtype_under_the_cuda_platform(tiny_gguf_model):
+    """On a GPU there are no packed GGUF kernels: q8_0 / q4_0 matrices load as plain bf16 weights (loaded here
+    on the CPU with the CUDA platform's choices, which is what decides)."""
+    from pagellm.model.layers.linear import Linear
+
+    for qtype in ("Q8_0", "Q4_0"):
+        path = tiny_gguf_model("llama", qtype=qtype)
+        model = get_model(path, load_config(path), CudaPlatform(), torch.bfloat16, torch.device("cpu"), auto_dtype=True)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all(m.packed is None and m.quant_method.name == "unquantized" for m in linears), qtype
+        assert all(m.weight_t.dtype == torch.bfloat16 and m.weight_t.numel() for m in linears), qtype

@@ -108,14 +108,14 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states [n, hidden] of the step's n rows (a view of the graph's output buffer: valid
-        until the next replay, which is after the runner took the rows it samples)."""
+        """Final hidden states [n, hidden] of the step's n rows. A copy: every replay overwrites the graph's
+        output buffer, and a caller may keep hidden states past the next step (embeddings pool them)."""
         n = input_ids.shape[0]
         b = self.padded_size(n)
         self._load(n, b, input_ids, positions, meta)
         if b in self.graphs:
             self.graphs[b].replay()
-            return self.outputs[b][:n]
+            return self.outputs[b][:n].clone()
         # eager replay: the same buffers and padded batch, lists filled in for backends that read them
         return self._run(b, self._meta(b, meta.seq_lens + [1] * (b - n)))[:n]
 
