@@ -12,6 +12,7 @@ GPU machine (`pytest -m cuda tests/test_cuda.py`). What it checks:
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -146,12 +147,16 @@ def test_swap_preemption_on_the_gpu_matches_an_unpreempted_run(make):
 
 
 def test_kv_cache_sized_from_gpu_memory_utilization(make, caplog):
+    """The budget counts every byte in use on the GPU (the CUDA context, this module's earlier engines until
+    collected): 5% of the GPU leaves room for them."""
+    gc.collect()
+    torch.cuda.empty_cache()
     with caplog.at_level("INFO", logger="pagellm"):
-        llm = make("cuda", dtype="auto", kv_cache_memory=None, gpu_memory_utilization=0.01)
+        llm = make("cuda", dtype="auto", kv_cache_memory=None, gpu_memory_utilization=0.05)
     total = torch.cuda.get_device_properties(0).total_memory
     kv_bytes = llm.engine.kv_cache.num_blocks * llm.engine.bytes_per_block
-    assert 0 < kv_bytes <= 0.01 * total
-    assert "GPU memory: 0.01 x" in caplog.text and "pagellm plan predicts" in caplog.text
+    assert 0 < kv_bytes <= 0.05 * total
+    assert "GPU memory: 0.05 x" in caplog.text and "pagellm plan predicts" in caplog.text
     run(llm, prompts(2, seed=4))
     assert_idle(llm)
     del llm

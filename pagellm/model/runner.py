@@ -120,6 +120,12 @@ class ModelRunner:
     def execute(self, msg: StepMessage) -> StepResult | None:
         """One step: the message's state changes and block copies, then the forward. Returns the result on
         the last pipeline stage, None on the others."""
+        if self.device.type == "cuda":  # the server steps in a worker thread, whose current device is GPU 0
+            with torch.cuda.device(self.device):
+                return self._execute(msg)
+        return self._execute(msg)
+
+    def _execute(self, msg: StepMessage) -> StepResult | None:
         self.batch.apply(msg)
         if msg.block_copies:
             self._copy_blocks(msg.block_copies)
