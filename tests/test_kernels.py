@@ -401,7 +401,10 @@ def test_native_paths_match_plain_torch_on_tiny_models(tiny_hf_model, tiny_gguf_
 # about a quarter of greedy tokens). A broken kernel is off by several nats on most tokens.
 INT8_LOGPROB_MEDIAN_TOL = 0.1  # nats, median over the chosen tokens while the outputs agree
 INT8_LOGPROB_TOL = 1.0  # nats, on any single chosen token
-INT8_WIDE_MARGIN = 0.5  # nats between float32's top-1 and top-2: such a top-1 must survive int8 rounding
+# nats between float32's top-1 and top-2: such a top-1 must survive int8 rounding. As wide as the single-token
+# bound: on an Intel Xeon with AMX (2026-12-02) "Water boils at a temperature of" lost a 0.62-nat top-1 at its
+# 4th token (int8 lowered float32's ',' by 0.58 nats and raised '2' by at least 0.47; the Zen 5 VM had lost <= 0.37)
+INT8_WIDE_MARGIN = INT8_LOGPROB_TOL
 
 
 def test_int8_activations_stay_close_to_float32(smollm_gguf_path):

@@ -31,23 +31,30 @@ def prompts(n, seed=0, lo=20, hi=70):
     return [[rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+# Logprobs agree with transformers' to this; so a rank is only defined up to the logits within it of the token's
+# (a random tiny model has near-ties: a different float32 GEMM kernel, e.g. another CPU's OpenBLAS, reorders them).
+LOGPROB_TOL = 1e-4
+
+
 def reference(hf, prompt):
-    """(logprob of prompt token j, its rank, top-N ids) for j >= 1, from one transformers forward."""
+    """(logprob of prompt token j, its (lowest, highest) rank within LOGPROB_TOL, top-N ids) for j >= 1, from one
+    transformers forward."""
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
     out = []
     for j in range(1, len(prompt)):
         row, tok = lp[j - 1], prompt[j]
-        out.append((float(row[tok]), int((row > row[tok]).sum()) + 1, row.topk(TOP).indices.tolist()))
+        ranks = (int((row > row[tok] + LOGPROB_TOL).sum()) + 1, int((row > row[tok] - LOGPROB_TOL).sum()))
+        out.append((float(row[tok]), ranks, row.topk(TOP).indices.tolist()))
     return out
 
 
 def check(entries, prompt, ref):
     assert len(entries) == len(prompt) and entries[0] is None
-    for j, (entry, (lp, rank, top)) in enumerate(zip(entries[1:], ref, strict=True), start=1):
+    for j, (entry, (lp, (lowest, highest), top)) in enumerate(zip(entries[1:], ref, strict=True), start=1):
         tok = prompt[j]
-        assert abs(entry[tok].logprob - lp) < 1e-4, (j, entry[tok].logprob, lp)
-        assert entry[tok].rank == rank
+        assert abs(entry[tok].logprob - lp) < LOGPROB_TOL, (j, entry[tok].logprob, lp)
+        assert lowest <= entry[tok].rank <= highest, (j, entry[tok].rank, lowest, highest)
         ranked = sorted((t for t, e in entry.items() if e.rank <= TOP), key=lambda t: entry[t].rank)
         assert ranked == top, j
         assert len(entry) in (TOP, TOP + 1)  # the top-N, plus the prompt token when it is not among them
