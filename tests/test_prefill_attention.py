@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pagellm.kernels import ops
 from pagellm.platforms import get_platform
+from pagellm.platforms.cpu import PREFILL_ATTENTION
 
 MAX_ABS_TOL = 0.05
 MEAN_ABS_TOL = 5e-3
@@ -68,46 +69,59 @@ def test_declines_what_it_does_not_take():
 
 def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch):
     p = get_platform("cpu")
-    assert not p.bf16_prefill_attention(False, torch.float16)  # --dtype float32 stays exact
-    assert not p.bf16_prefill_attention(True, torch.int8)
-    assert p.bf16_prefill_attention(True, torch.float16) == (p.bf16_dot_products and ops.has_bf16_prefill_attention())
+    assert p.bf16_prefill_attention(False, torch.float16) is None  # --dtype float32 stays exact
+    assert p.bf16_prefill_attention(True, torch.int8) is None
+    expected = (None if not (p.bf16_dot_products and p.native_kernels) else "sdpa" if "amx_bf16" in p.isa
+                else "kernel" if ops.has_bf16_prefill_attention() else None)
+    assert p.bf16_prefill_attention(True, torch.float16) == expected
     chosen = p.bf16_prefill_attention(True, p.auto_kv_dtype(torch.float32))
-    assert ("bf16 kernel" in p.describe()["prefill_attention"]) == chosen  # what `pagellm info` and bench print
-    assert ("prefill_attention bf16 kernel" in p.summary_line()) == chosen
+    assert p.describe()["prefill_attention"] == PREFILL_ATTENTION[chosen]  # what `pagellm info` and bench print
+    assert ("prefill_attention " + PREFILL_ATTENTION[chosen]) in p.summary_line()
+    if p.native_kernels:  # the platform decides from the ISA it probed, not from the build
+        monkeypatch.setattr(p, "isa", [f for f in p.isa if f != "amx_bf16"] + ["amx_bf16"])
+        assert p.bf16_prefill_attention(True, torch.float16) == "sdpa"  # AMX: torch's SDPA on AMX tiles
+        monkeypatch.setattr(p, "isa", [f for f in p.isa if f != "amx_bf16"] + ["avx512_bf16"])
+        assert p.bf16_prefill_attention(True, torch.float16) == ("kernel" if ops.has_bf16_prefill_attention() else None)
     monkeypatch.setattr(p, "isa", [f for f in p.isa if f not in ("avx512_bf16", "amx_bf16")])
-    assert not p.bf16_prefill_attention(True, torch.float16)  # masked ISA: the platform decides, not the build
+    assert p.bf16_prefill_attention(True, torch.float16) is None  # masked ISA
     assert p.describe()["prefill_attention"] == "torch SDPA"
 
 
 def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smollm_gguf_path):
-    """The auto engine with the kernel on and off (float32 SDPA): the next token's logprobs after prompts of
-    19-201 tokens (each one long prefill chunk) move by < FIRST_TOKEN_TOL nats (measured <= 0.03 on the Zen 5
-    VM), and a top-1 leading by more than 0.3 nats stays top-1."""
+    """The auto engine with each bf16 prefill path ("sdpa": torch's SDPA on bf16 inputs, which runs on any CPU;
+    "kernel" where the build has it) against float32 SDPA: the next token's logprobs after prompts of 19-201
+    tokens (each one long prefill chunk) move by < FIRST_TOKEN_TOL nats (measured <= 0.03 on the Zen 5 VM for
+    the kernel), and a top-1 leading by more than 0.3 nats stays top-1."""
     from pagellm import LLM, SamplingParams
 
     p = get_platform("cpu")
-    auto, exact = LLM(smollm_gguf_path, dtype="auto"), LLM(smollm_gguf_path, dtype="float32")
-    assert not getattr(exact.engine.runner.backend, "bf16_prefill", False)
+    # prefix caching off: a later run would otherwise reuse the first run's KV and attend only its last block
+    auto = LLM(smollm_gguf_path, dtype="auto", enable_prefix_caching=False)
+    exact = LLM(smollm_gguf_path, dtype="float32")
+    assert not getattr(exact.engine.runner.backend, "bf16_prefill", None)
     backend = auto.engine.runner.backend
-    assert getattr(backend, "bf16_prefill", False) == p.bf16_prefill_attention(True, auto.engine.kv_dtype)
-    if not getattr(backend, "bf16_prefill", False):
+    assert getattr(backend, "bf16_prefill", None) == p.bf16_prefill_attention(True, auto.engine.kv_dtype)
+    if backend.name != "cpu_paged":  # no native kernels here: auto computes in float32 with torch SDPA
         return
     prompts = ["Once upon a time, " * 40,
                "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
                "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
                "In 1969, the first humans landed on the Moon as part of NASA's Apollo program. The mission was called"]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    modes = [None, "sdpa"] + (["kernel"] if ops.has_bf16_prefill_attention() else [])
     runs = []
-    for flag in (False, True):
-        backend.bf16_prefill = flag
+    for mode in modes:
+        backend.bf16_prefill = mode
         runs.append([o.outputs[0] for o in auto.generate(prompts, params, use_tqdm=False)])
-    moved = []
-    for ref, out in zip(*runs, strict=True):
-        top = sorted(ref.logprobs[0].values(), key=lambda v: -v.logprob)
-        if top[0].logprob - top[1].logprob > 0.3:
-            assert out.token_ids == ref.token_ids
-        if out.token_ids == ref.token_ids:
-            t = ref.token_ids[0]
-            moved.append(abs(out.logprobs[0][t].logprob - ref.logprobs[0][t].logprob))
-            assert moved[-1] < FIRST_TOKEN_TOL
-    print(f"bf16 prefill attention vs SDPA: next-token logprob moved by at most {max(moved, default=0):.4f} nats")
+    for mode, run in zip(modes[1:], runs[1:], strict=True):
+        moved = []
+        for ref, out in zip(runs[0], run, strict=True):
+            top = sorted(ref.logprobs[0].values(), key=lambda v: -v.logprob)
+            if top[0].logprob - top[1].logprob > 0.3:
+                assert out.token_ids == ref.token_ids
+            if out.token_ids == ref.token_ids:
+                t = ref.token_ids[0]
+                moved.append(abs(out.logprobs[0][t].logprob - ref.logprobs[0][t].logprob))
+                assert moved[-1] < FIRST_TOKEN_TOL
+        assert moved and max(moved) > 0  # bf16 really ran
+        print(f"bf16 prefill attention ({mode}) vs SDPA: next-token logprob moved by at most {max(moved):.4f} nats")

@@ -99,9 +99,10 @@ class Platform:
     def kv_dtype_readable_natively(self, kv_dtype: torch.dtype) -> bool:
         return False
 
-    def bf16_prefill_attention(self, auto: bool, kv_dtype: torch.dtype) -> bool:
-        """Whether long prefill chunks attend in bf16 (a native kernel) under `--dtype auto` (auto=True)."""
-        return False
+    def bf16_prefill_attention(self, auto: bool, kv_dtype: torch.dtype) -> str | None:
+        """How long prefill chunks attend in bf16 under `--dtype auto` (auto=True): "sdpa" (torch's SDPA on bf16
+        inputs), "kernel" (a native kernel), or None (in the compute dtype)."""
+        return None
 
     def compile_decoder(self, model, backend_name: str, kv_dtype: torch.dtype):
         """A compiled few-row forward for the runner (the CPU's one-call native decoder), or None."""

@@ -34,6 +34,10 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx51
 # faster at 8 and ~1.6x at 16 (benchmarks/NOTES.md).
 BF16_PACKED_MAX_ROWS = 6
 
+# `pagellm info`'s words for each bf16_prefill_attention choice
+PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto, else torch SDPA",
+                     "kernel": "bf16 kernel (vdpbf16ps) under --dtype auto, else torch SDPA", None: "torch SDPA"}
+
 # --kv-cache-dtype names and their cache element types, for `pagellm info`.
 _KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
                     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -153,15 +157,19 @@ class CpuPlatform(Platform):
 
         return ops.kv_dtype_supported(kv_dtype)
 
-    def bf16_prefill_attention(self, auto: bool, kv_dtype: torch.dtype) -> bool:
-        """Under auto where the CPU has bf16 dot products and the build the bf16 flash-attention kernel (it
-        reads float32 and float16 caches): prefill chunks 3-5x faster than torch's float32 SDPA, outputs
-        within bf16 rounding (tests/test_prefill_attention.py)."""
+    def bf16_prefill_attention(self, auto: bool, kv_dtype: torch.dtype) -> str | None:
+        """How long prefill chunks attend under auto (auto=True) where the CPU has bf16 dot products: "sdpa" with
+        AMX-BF16 (torch's flash attention on bf16 inputs, whose products oneDNN runs on AMX tiles: 1.5-2.9x the
+        own kernel on the Xeon VM, 128-2,048 tokens), "kernel" without it where the build has the own bf16
+        flash-attention kernel (AVX-512 BF16 `vdpbf16ps`: 3x torch's bf16 SDPA on the Zen 5 VM); None: float32
+        SDPA. Both read float32 and float16 caches; outputs within bf16 rounding (tests/test_prefill_attention.py)."""
         if not (auto and self.bf16_dot_products and self.native_kernels and kv_dtype in (torch.float32, torch.float16)):
-            return False
+            return None
+        if "amx_bf16" in self.isa:
+            return "sdpa"
         from pagellm.kernels import ops
 
-        return ops.has_bf16_prefill_attention()
+        return "kernel" if ops.has_bf16_prefill_attention() else None
 
     def attention_backend(self, requested: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> str:
         if requested != "auto":
@@ -225,8 +233,7 @@ class CpuPlatform(Platform):
             "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"
                                    if choices.bf16_gemm else "float32"),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
-            "prefill_attention": ("bf16 kernel (vdpbf16ps) under --dtype auto, else torch SDPA"
-                                  if self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype)) else "torch SDPA"),
+            "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))],
             "kv_cache_dtype": f"auto -> {str(self.auto_kv_dtype(dtype)).removeprefix('torch.')} under --dtype auto",
             "kv_float16_native": str(self.kv_dtype_readable_natively(torch.float16)).lower(),
             # --kv-cache-dtype values the paged kernel (and so the one-call decoder) reads in place

@@ -2,9 +2,10 @@
 place (no gather into a padded copy), all rows of the step in one call, parallel over rows and heads.
 
 Requests with many new rows (long prefill chunks) go elsewhere: the kernel scores one query row at a time,
-which flash attention's blocking beats once rows are many. Under `--dtype auto` on a CPU with AVX-512 BF16
-(`bf16_prefill`, the platform's choice) they go through the bf16 flash-attention kernel (3-5x torch's float32
-SDPA on a 2048-token prompt, benchmarks/NOTES.md); otherwise through the reference SDPA path.
+which flash attention's blocking beats once rows are many. Under `--dtype auto` (`bf16_prefill`, the platform's
+choice) they attend in bf16: on a CPU with AMX through torch's SDPA on bf16 inputs ("sdpa": oneDNN's AMX tiles),
+with AVX-512 BF16 alone through the own bf16 flash-attention kernel ("kernel": 3-5x torch's float32 SDPA on a
+2048-token prompt, benchmarks/NOTES.md); otherwise (None) through the reference SDPA path in float32.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ class CpuPagedAttention(AttentionBackend):
     name = "cpu_paged"
     max_native_queries = ops.PAGED_ATTENTION_MAX_QUERIES  # new rows per request up to which the kernel serves it
 
-    def __init__(self, bf16_prefill: bool = False):
+    def __init__(self, bf16_prefill: str | None = None):
         self._reference = TorchSdpaReferenceAttention()
-        self.bf16_prefill = bf16_prefill
+        self.bf16_prefill = bf16_prefill  # "sdpa", "kernel" or None (platforms/cpu.py bf16_prefill_attention)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         if q.shape[-1] % 8:  # the kernel works in 8-float vectors (the platform chose it for the dtypes)
@@ -45,7 +46,9 @@ class CpuPagedAttention(AttentionBackend):
 
     def _long_requests(self, q, kv_cache, meta: AttentionMetadata, scale: float, long: list[int]) -> torch.Tensor:
         """The output rows of the requests in `long` (other rows left unset)."""
-        if not self.bf16_prefill or meta.sliding_window is not None:
+        if self.bf16_prefill == "sdpa":  # the cache's rows are gathered and cast to bf16 per request
+            return self._reference.attend(q.to(torch.bfloat16), kv_cache, meta, scale, long).float()
+        if self.bf16_prefill != "kernel" or meta.sliding_window is not None:
             return self._reference.attend(q, kv_cache, meta, scale, long)
         out = torch.empty_like(q)
         starts, rest = meta.query_start_loc, []
