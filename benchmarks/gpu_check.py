@@ -3,9 +3,12 @@
     bash benchmarks/gpu_check.sh            # runs the `cuda` tests, then this (see the script)
     python benchmarks/gpu_check.py --help
 
-Steps (about 6-8 minutes on an H200 after the tests):
+Steps (about 7-9 minutes on an H200 after the tests):
 1. the GPU's limits: HBM bandwidth from a 4 GiB device-to-device copy (bytes read + written per second),
-   bf16 matmul TFLOP/s from 8192^3 torch.matmul; the median of 10 timed runs each (CUDA events);
+   bf16 matmul TFLOP/s from 8192^3 torch.matmul; the median of 10 timed runs each (CUDA events); then
+   attention alone at Llama-3 8B's shapes (benchmarks/gpu_attention.py, in its own process, about a minute
+   by estimate: triton_paged, torch SDPA and FlexAttention on 64 decodes x 1,024 keys and a 2,048-token
+   prompt; ms, KV GB/s or TFLOP/s and their fractions of the limits; a failing path records its error);
 2. random-weight Llama-3 shapes (pagellm/bench/random_model.py: ~1.2B "llama3-1b", 8.0B "llama3-8b"), drawn
    on the GPU in bf16 and written as safetensors to /dev/shm (nothing is downloaded);
 3. per model, each run in a fresh process (its GPU memory returned after): W1 (batch-1 decode: a 128-token
@@ -80,6 +83,51 @@ def measure_limits() -> dict:
     return {"hbm_copy_GBps": 2 * n * 2 / t_copy / 1e9, "bf16_matmul_TFLOPs": 2 * m**3 / t_mm / 1e12,
             "how": "bandwidth: 4 GiB bf16 device copy, (read + written bytes) / time; compute: 8192^3 bf16 "
                    "torch.matmul, 2 m^3 / time; medians of CUDA-event timings"}
+
+
+def run_attention(timeout: int, limits: dict) -> dict:
+    """benchmarks/gpu_attention.py in a child process (its compilations and GPU memory go with it); what it
+    wrote before a failure or a timeout is kept, with the error."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    result: dict = {}
+    try:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "attention", "--json", out],
+                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        if r.returncode:
+            result.update(error=f"exit code {r.returncode}", stderr_tail=r.stderr[-4000:])
+    except subprocess.TimeoutExpired:
+        result["error"] = f"timed out after {timeout} s"
+    try:
+        with open(out) as f:
+            result.update(json.load(f))
+    except (OSError, ValueError):
+        pass
+    os.unlink(out)
+    for path in attention_paths(result):
+        if "kv_GBps" in path:
+            path["fraction_of_hbm_copy"] = path["kv_GBps"] / limits["hbm_copy_GBps"]
+        if "TFLOPs" in path:
+            path["fraction_of_bf16_matmul"] = path["TFLOPs"] / limits["bf16_matmul_TFLOPs"]
+    return result
+
+
+def attention_paths(result: dict, named: bool = False):
+    """Each case's paths' entries (or (case, path, entry) with named)."""
+    for case, r in result.items():
+        for path, entry in (r.get("paths", {}) if isinstance(r, dict) else {}).items():
+            yield (case, path, entry) if named else entry
+
+
+def attention_summary(result: dict) -> str:
+    lines = ["attention" + (f": ERROR {result['error']}" if "error" in result else "")]
+    for case, path, r in attention_paths(result, named=True):
+        if "ms" not in r:
+            lines.append(f"  {case} {path}: ERROR {r.get('error', '?')[:200]}")
+            continue
+        rate = f"{r['kv_GBps']:.0f} GB/s" if "kv_GBps" in r else f"{r['TFLOPs']:.0f} TFLOP/s"
+        lines.append(f"  {case} {path}: {r['ms']:.3f} ms, {rate}")
+    return "\n".join(lines)
 
 
 # ---- the workloads, each in its own process --------------------------------------------------------------
@@ -248,6 +296,9 @@ def main_check(ns: argparse.Namespace) -> int:
     print("measuring the GPU's limits ...", flush=True)
     report["limits"] = limits = measure_limits()
     print(f"  HBM copy {limits['hbm_copy_GBps']:.0f} GB/s, bf16 matmul {limits['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    print("attention paths alone ...", flush=True)
+    report["attention"] = run_attention(min(ns.child_timeout, 240), limits)
+    print(attention_summary(report["attention"]), flush=True)
     report["models"] = {}
     base = workdir(20 * 2**30)
     try:
@@ -319,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--requests", type=int, default=1024)
     w.add_argument("--json", required=True)
     w.add_argument("--device", default="cuda", help="cuda; cpu only to try the workload code on a tiny model")
+    a = sub.add_parser("attention", help="(internal) the attention paths alone in this process (gpu_attention.py)")
+    a.add_argument("--json", required=True)
     return p
 
 
@@ -326,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "workload":
         workload_main(ns)
+        return 0
+    if ns.command == "attention":
+        import gpu_attention
+
+        # a loop of 10 calls per timed run: one call of a decode kernel is tens of microseconds
+        gpu_attention.main(ns.json, lambda fn: time_cuda(lambda: [fn() for _ in range(10)]) / 10)
         return 0
     for name in ns.models.split(","):
         if name not in MODELS:

@@ -5,8 +5,8 @@
 #      heavy: no torch, no model weights; where there is no network a missing one stops the check here);
 #   2. the `cuda` tests (tests/test_cuda.py: the engine on the GPU against the CPU) and the Triton kernels'
 #      tests on the GPU (tests/test_triton_attention.py), output in benchmarks/results/gpu/tests_*.log;
-#   3. benchmarks/gpu_check.py: the GPU's measured limits, random-weight Llama-3 1B and 8B shapes, W1 and a
-#      W2-style run, one JSON in benchmarks/results/gpu/.
+#   3. benchmarks/gpu_check.py: the GPU's measured limits, the attention paths alone (benchmarks/gpu_attention.py),
+#      random-weight Llama-3 1B and 8B shapes, W1 and a W2-style run, one JSON in benchmarks/results/gpu/.
 #
 #   bash benchmarks/gpu_check.sh [gpu_check.py options, e.g. --models llama3-1b --w2-requests 256]
 #   PYTHON=/path/to/python bash benchmarks/gpu_check.sh   # the interpreter with torch (default: python3)

@@ -134,10 +134,14 @@ def test_graph_runner_eager_replay_equals_the_plain_forward(tiny, backend_name):
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_graph_runner_eager_replay_feeds_the_triton_backend(tiny):
     """The same check with triton_paged, which reads the runner's int32 seq_lens / query_start_loc buffers
-    (what a replayed graph reads), its kernels run by Triton's interpreter on the CPU. The interpreter must be
-    switched on before triton is first imported: a fresh process."""
+    (what a replayed graph reads), its kernels run by Triton's interpreter on the CPU; every layer takes the
+    fused path (rope_write_kv from the qkv output, counted here). The interpreter must be switched on before
+    triton is first imported: a fresh process."""
     code = ("import os, sys; os.environ['TRITON_INTERPRET'] = '1'; sys.path.insert(0, sys.argv[1]); "
-            "import test_cuda_graphs as t; t.check_eager_replay(t.tiny_model(sys.argv[2]), 'triton_paged')")
+            "import test_cuda_graphs as t; from pagellm.kernels.triton import kv_write as w; calls = []; "
+            "rope = w.rope_write_kv; w.rope_write_kv = lambda *a: calls.append(a[0].shape[0]) or rope(*a); "
+            "t.check_eager_replay(t.tiny_model(sys.argv[2]), 'triton_paged'); "
+            "assert calls == [4, 4, 1, 1], calls")  # 2 layers x (3 rows padded to 4; then 1 row)
     r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), tiny[0]], capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

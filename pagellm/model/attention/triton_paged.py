@@ -6,6 +6,10 @@ The kernels read query_start_loc and seq_lens as int32 device tensors: `meta.que
 from the lists once per step and kept on `meta` for the other layers. Float caches (float32, float16,
 bfloat16) are written by the Triton kernel, fp8 ones by the torch path (quant/kv_cache.py: its clamp and
 rounding); attention reads all of them. Int8 rows with an in-band scale are not supported.
+
+The model hands over the qkv projection's output (`forward_qkv`): one kernel rotates q and k in place and
+writes k and v into a float cache (rope_write_kv), and attention reads q from qkv, with no torch rotary, no
+split copies and no second KV write.
 """
 
 from __future__ import annotations
@@ -43,6 +47,36 @@ class TritonPagedAttention(AttentionBackend):
             self._kv_write.write_kv(k, v, kv_cache, meta.slot_mapping)
         else:
             self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def forward_qkv(self, qkv, positions, rotary, dtype, num_heads, num_kv_heads, head_dim, kv_cache,
+                    meta: AttentionMetadata, scale: float):
+        """One kernel rotates q and k in place in qkv and writes k and v into the cache (rope_write_kv), where
+        the unfused path runs torch's rotary (a gather, temporaries and several elementwise kernels) and then
+        the KV write; attention then reads q from qkv. Where the kernel does not do what that path would (a cast
+        first, another rotary, an fp8 cache), the unfused path."""
+        if not self._fusable(qkv, rotary, dtype, num_heads, num_kv_heads, head_dim, kv_cache):
+            return super().forward_qkv(qkv, positions, rotary, dtype, num_heads, num_kv_heads, head_dim, kv_cache,
+                                       meta, scale)
+        self._check(qkv, kv_cache)
+        self._kv_write.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping, num_heads,
+                                     num_kv_heads)
+        q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)  # rows strided by the whole qkv row
+        return self._attend(q, kv_cache, meta, scale)
+
+    def _fusable(self, qkv, rotary, dtype, num_heads, num_kv_heads, head_dim, kv_cache) -> bool:
+        """rope_write_kv does what the unfused path does only for qkv already in the activations' dtype (the
+        unfused path casts first), a rotate-half rotary over the whole head from cos/sin tables of [positions,
+        head_dim] (RotaryEmbedding's, float32 on qkv's device), and a cache it writes (float, not fp8)."""
+        cos, sin = getattr(rotary, "cos", None), getattr(rotary, "sin", None)
+        return (qkv.dtype == dtype and kv_cache.dtype in self._kv_write.WRITABLE_DTYPES
+                and qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+                and qkv.stride(-1) == 1 and kv_cache.shape[-1] == head_dim
+                and all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == head_dim
+                        and t.dtype == torch.float32 and t.device == qkv.device and t.stride(-1) == 1
+                        for t in (cos, sin)))
+
+    def _attend(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         query_start_loc, seq_lens = device_metadata(meta, q.device)
         return self._attention.paged_attention(
             q, kv_cache, meta.block_tables, seq_lens, query_start_loc, scale, meta.sliding_window,

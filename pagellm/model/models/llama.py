@@ -38,14 +38,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend):
-        qkv = self.qkv_proj(x)
-        # q and k heads sit side by side; a bf16 product's qkv comes back as a rotated float32 copy
-        qkv = rotary(positions, qkv, self.num_heads + self.num_kv_heads, x.dtype)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        # The backend rotates q and k, writes k and v into the cache and attends: step by step, or in fewer
+        # passes where it has a kernel for them (AttentionBackend.forward_qkv).
+        o = backend.forward_qkv(self.qkv_proj(x), positions, rotary, x.dtype, self.num_heads, self.num_kv_heads,
+                                self.head_dim, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
