@@ -1,7 +1,10 @@
 """Prefill attention alone, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), 2 threads: torch SDPA with
 the explicit causal mask, with is_causal (whole prompts only), both in bf16, and the bf16 kernel
 (`ops.prefill_attention_bf16`, float16 paged cache; only where the build has it), plus the kernel's repacking
-alone (8 query rows over 2,048 keys). Milliseconds, median of 7; chunks of nq new rows after seq_len - nq cached.
+alone (8 query rows over 2,048 keys). Then the backend's long-chunk paths as the engine runs them over a paged
+float16 cache with scattered blocks (`CpuPagedAttention._long_requests`): "path sdpa" (the platform's choice
+with AMX: gather, cast to bf16, SDPA), "path kernel" and "path float32". Milliseconds, median of 7; chunks of nq
+new rows after seq_len - nq cached.
 
     .venv/bin/python benchmarks/microbench_prefill_attention.py
 
@@ -13,6 +16,8 @@ import torch.nn.functional as F
 from timing import median_ms as _median_ms
 
 from pagellm.kernels import ops
+from pagellm.model.attention.base import AttentionMetadata
+from pagellm.model.attention.cpu_paged import CpuPagedAttention
 
 H, KV, D, BS = 9, 3, 64, 16
 
@@ -38,7 +43,20 @@ def shape_row(nq: int, seq_len: int, kernel: bool) -> dict[str, float]:
         table = torch.arange(blocks, dtype=torch.int64)
         qk = q[0].transpose(0, 1).contiguous()
         row["bf16 kernel"] = median_ms(lambda: ops.prefill_attention_bf16(qk, cache, table, seq_len, D ** -0.5))
+    row.update(backend_paths(q[0].transpose(0, 1).contiguous(), seq_len, kernel))
     return row
+
+
+def backend_paths(q: torch.Tensor, seq_len: int, kernel: bool) -> dict[str, float]:
+    """q: [nq, H, D]; the request's blocks lie in random order in a cache with room for others."""
+    blocks = -(-seq_len // BS)
+    cache = torch.randn(2, 2 * blocks, BS, KV, D).half()
+    table = torch.randperm(2 * blocks)[:blocks].unsqueeze(0)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=table, query_start_loc=[0, q.shape[0]],
+                             seq_lens=[seq_len], block_size=BS)
+    modes = ["sdpa", "kernel", None] if kernel else ["sdpa", None]
+    return {f"path {mode or 'float32'}": median_ms(
+        lambda m=mode: CpuPagedAttention(m)._long_requests(q, cache, meta, D ** -0.5, [0])) for mode in modes}
 
 
 def main() -> None:

@@ -58,6 +58,22 @@ def test_strided_query_rows_and_head_dim_128():
     assert (out - ref).abs().max() < MAX_ABS_TOL
 
 
+@pytest.mark.parametrize("nq,seq_len", [(300, 333), (40, 1000), (17, 17)])
+def test_backend_sdpa_mode_matches_float32_sdpa_within_bf16_rounding(nq, seq_len):
+    """The AMX choice ("sdpa": bf16 SDPA over the gathered cache from SDPA_MIN_KEYS keys on, the kernel or bf16
+    SDPA below) within the kernel's bounds; it runs on any CPU (torch's bf16 SDPA is portable, only slower)."""
+    from pagellm.model.attention.base import AttentionMetadata
+    from pagellm.model.attention.cpu_paged import CpuPagedAttention
+
+    q, cache, table, ref = _paged(nq, seq_len, torch.float16)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=table[None], query_start_loc=[0, nq],
+                             seq_lens=[seq_len], block_size=16)
+    out = CpuPagedAttention("sdpa")._long_requests(q, cache, meta, 64 ** -0.5, [0])
+    err = (out - ref).abs()
+    assert out.dtype == torch.float32 and err.max() < MAX_ABS_TOL and err.mean() < MEAN_ABS_TOL
+    assert err.max() > 0  # bf16 really ran
+
+
 def test_declines_what_it_does_not_take():
     q, cache, table, _ = _paged(20, 20, torch.float16, head_dim=32)
     assert ops.prefill_attention_bf16(q, cache, table, 20, 0.2) is None  # head_dim not a multiple of 64
@@ -89,7 +105,7 @@ def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch)
 
 def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smollm_gguf_path):
     """The auto engine with each bf16 prefill path ("sdpa": torch's SDPA on bf16 inputs, which runs on any CPU;
-    "kernel" where the build has it) against float32 SDPA: the next token's logprobs after prompts of 19-201
+    "kernel" where the build has it) against float32 SDPA: the next token's logprobs after prompts of 19-351
     tokens (each one long prefill chunk) move by < FIRST_TOKEN_TOL nats (measured <= 0.03 on the Zen 5 VM for
     the kernel), and a top-1 leading by more than 0.3 nats stays top-1."""
     from pagellm import LLM, SamplingParams
@@ -103,7 +119,7 @@ def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smol
     assert getattr(backend, "bf16_prefill", None) == p.bf16_prefill_attention(True, auto.engine.kv_dtype)
     if backend.name != "cpu_paged":  # no native kernels here: auto computes in float32 with torch SDPA
         return
-    prompts = ["Once upon a time, " * 40,
+    prompts = ["Once upon a time, " * 70,  # past SDPA_MIN_KEYS: "sdpa" takes torch SDPA for it
                "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
                "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +",
                "In 1969, the first humans landed on the Moon as part of NASA's Apollo program. The mission was called"]

@@ -16,6 +16,11 @@ from pagellm.kernels import ops
 from pagellm.model.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
 
+# Under "sdpa", requests attending to fewer keys than this take the own kernel where the build has it (the Xeon
+# VM, per layer: 128 x 128 0.28 vs 0.22 ms, 256 x 256 0.71 vs 0.66, 384 x 384 0.75 vs 1.28;
+# benchmarks/microbench_prefill_attention.py's "path" columns)
+SDPA_MIN_KEYS = 256
+
 
 class CpuPagedAttention(AttentionBackend):
     name = "cpu_paged"
@@ -46,21 +51,25 @@ class CpuPagedAttention(AttentionBackend):
 
     def _long_requests(self, q, kv_cache, meta: AttentionMetadata, scale: float, long: list[int]) -> torch.Tensor:
         """The output rows of the requests in `long` (other rows left unset)."""
-        if self.bf16_prefill == "sdpa":  # the cache's rows are gathered and cast to bf16 per request
-            return self._reference.attend(q.to(torch.bfloat16), kv_cache, meta, scale, long).float()
-        if self.bf16_prefill != "kernel" or meta.sliding_window is not None:
+        mode = self.bf16_prefill
+        if mode is None or (mode == "kernel" and meta.sliding_window is not None):
             return self._reference.attend(q, kv_cache, meta, scale, long)
         out = torch.empty_like(q)
         starts, rest = meta.query_start_loc, []
         for i in long:
+            # AMX: SDPA wins from a few hundred keys on; below, its gather and casts cost more than the kernel
+            if mode == "sdpa" and (meta.seq_lens[i] >= SDPA_MIN_KEYS or meta.sliding_window is not None):
+                rest.append(i)
+                continue
             o = ops.prefill_attention_bf16(q[starts[i]:starts[i + 1]], kv_cache, meta.block_tables[i],
                                            meta.seq_lens[i], scale)
-            if o is None:  # a shape or KV dtype the kernel does not take
+            if o is None:  # a shape or KV dtype the kernel does not take (or a build without it)
                 rest.append(i)
             else:
                 out[starts[i]:starts[i + 1]] = o
-        if rest:
-            ref = self._reference.attend(q, kv_cache, meta, scale, rest)
+        if rest:  # "sdpa": on bf16 copies of q and of the gathered keys and values
+            ref = (self._reference.attend(q.to(torch.bfloat16), kv_cache, meta, scale, rest).float() if mode == "sdpa"
+                   else self._reference.attend(q, kv_cache, meta, scale, rest))
             for i in rest:
                 out[starts[i]:starts[i + 1]] = ref[starts[i]:starts[i + 1]]
         return out
