@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.engine.llm_engine import kv_bytes_per_block
+from pagellm.engine.engine_parts import kv_bytes_per_block
 from pagellm.kernels import ops
 from pagellm.model.attention.base import AttentionBackend, AttentionMetadata
 from pagellm.model.attention.cpu_paged import CpuPagedAttention

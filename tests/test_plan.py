@@ -98,7 +98,7 @@ def test_the_engine_sizes_its_cache_with_the_plan_arithmetic():
     allocated cache's, for every KV dtype."""
     import torch
 
-    from pagellm.engine.llm_engine import kv_bytes_per_block
+    from pagellm.engine.engine_parts import kv_bytes_per_block
     from pagellm.plan.memory import kv_row_bytes
     from pagellm.quant.kv_cache import KV_QUANT_DTYPES, kv_dtype_label, kv_row_width
 

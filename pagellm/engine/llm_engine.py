@@ -9,33 +9,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagellm.config import EngineArgs, ModelConfig, parse_bytes
+from pagellm.config import EngineArgs
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.admission import prepare_request
 from pagellm.engine.beam_search import BeamSearchGroup
+from pagellm.engine.engine_parts import build_proposer, kv_bytes_per_block, resolve_kv_dtype
 from pagellm.engine.gpu_memory import log_kv_sizing, size_kv_cache
 from pagellm.engine.isolation import error_output, sample_isolated
 from pagellm.engine.kv_sizing import fit_max_model_len
 from pagellm.engine.output_processor import RequestState, SequenceState
 from pagellm.executor.multiproc import start_workers
 from pagellm.executor.uniproc import UniprocExecutor
-from pagellm.model.attention import AttentionBackend, get_attention_backend
+from pagellm.model.attention import get_attention_backend
 from pagellm.model.layers.custom_op import CustomOp
 from pagellm.model.loader import load_config, resolve_model_path
 from pagellm.model.loader.model_loader import get_model, model_weight_bytes
 from pagellm.model.parallel import check_splittable
 from pagellm.model.runner import ModelRunner
 from pagellm.outputs import RequestOutput
-from pagellm.plan import kv_bytes_per_token
-from pagellm.platforms import Platform, get_platform
-from pagellm.platforms.base import DTYPES
-from pagellm.quant.kv_cache import KV_QUANT_DTYPES, kv_dtype_label
+from pagellm.platforms import get_platform
+from pagellm.quant.kv_cache import kv_dtype_label
 from pagellm.request import Request, RequestStatus
 from pagellm.sample import Sampler, StepSampler
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.adaptive import SpeculationController
-from pagellm.spec_decode.proposers import DraftModelProposer, NgramProposer
+from pagellm.spec_decode.proposers import NgramProposer
 from pagellm.structured_output import StructuredOutputManager
 from pagellm.tokenizer import Tokenizer
 
@@ -50,45 +49,6 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     steps: int = 0
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1, pp: int = 1) -> int:
-    """K and V of block_size tokens for every layer and KV head of the busiest rank (docs/architecture.md,
-    "Memory"); an int8 row carries its 2-byte scale (pagellm/quant/kv_cache.py)."""
-    return kv_bytes_per_token(cfg, kv_dtype_label(dtype), tp, pp) * block_size
-
-
-def resolve_kv_dtype(args: EngineArgs, dtype: torch.dtype, platform: Platform) -> torch.dtype:
-    """The KV cache element type: `auto` follows the compute dtype (under `--dtype auto`, the platform's
-    choice); int8 / fp8 (= fp8_e4m3) / fp8_e5m2 quantize on write and are read by every attention backend."""
-    name = args.kv_dtype_name
-    if name in KV_QUANT_DTYPES:
-        return KV_QUANT_DTYPES[name]
-    if name == "auto":  # both auto
-        return platform.auto_kv_dtype(dtype)
-    return DTYPES[name]
-
-
-def build_proposer(args: EngineArgs, max_model_len: int, backend: AttentionBackend, sampler: Sampler,
-                   cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device):
-    if args.speculative_method is None:
-        return None
-    if args.speculative_method == "ngram":
-        return NgramProposer(args.num_speculative_tokens, max_model_len, args.ngram_min, args.ngram_max)
-    if not args.draft_model:
-        raise ValueError("speculative_method='draft' needs draft_model (a .gguf file or HF directory)")
-    path = resolve_model_path(args.draft_model)
-    draft_cfg = load_config(path)
-    if draft_cfg.vocab_size != cfg.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs from the target's "
-                         f"({cfg.vocab_size})")
-    kv_dtype = resolve_kv_dtype(args, dtype, platform)
-    draft = get_model(path, draft_cfg, platform, dtype, device, packed_weights_only=False)
-    num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
-    runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, backend, platform)
-    logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
-    return DraftModelProposer(UniprocExecutor(runner), sampler, KVCacheManager(num_blocks, args.block_size),
-                              args.num_speculative_tokens, max_model_len)
 
 
 class LLMEngine:
