@@ -122,10 +122,13 @@ def test_cuda_graphs_and_eager_give_the_same_tokens(make):
     assert compared >= total // 2, (compared, total)
     assert_idle(graphs)
     assert_idle(eager)
-    # bfloat16 too, one request at a time (a batch of one pads to nothing: the same kernels)
+    # bfloat16 too, one request at a time. Not the same kernels: under a graph the Triton backend splits the keys
+    # for the captured max_model_len, eagerly for the real lengths, and bf16 probabilities round per split; so
+    # tokens must agree only where eager's top-1 leads by more than bf16 noise.
     one = [ps[0]]
-    assert [o.token_ids for o in run(make("cuda", dtype="auto"), one)] == \
-        [o.token_ids for o in run(make("cuda", dtype="auto", enforce_eager=True), one)]
+    compared, total = agreement(run(make("cuda", dtype="auto", enforce_eager=True), one),
+                                run(make("cuda", dtype="auto"), one), margin=0.05)
+    assert compared >= total // 2, (compared, total)
 
 
 def test_swap_preemption_on_the_gpu_matches_an_unpreempted_run(make):
