@@ -296,3 +296,18 @@ def test_samples_lie_in_allowed_set(logits, temperature, top_k, top_p, min_p, se
     rows = [row(seed=seed + i if i % 2 else None, **kw) for i in range(n)]
     got = set(Sampler([EOS])(t, rows).token_ids)
     assert got <= allowed, (got, allowed)
+
+
+def test_argmax_rows_equals_argmax_on_ties_nan_and_masked_rows():
+    """The sampler's greedy pick (`max(dim).indices`, faster on the CPU) is torch's argmax exactly: the first of
+    equal values, a NaN as the largest, index 0 for a row of -inf."""
+    from pagellm.sample.logprobs import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        x = (torch.randint(0, 4, (16, 1000), generator=g).float() if trial % 2
+             else torch.randn(16, 1000, generator=g))
+        x[3, 100 + trial] = float("nan")
+        x[5] = float("-inf")
+        for t in (x, x.bfloat16(), x[:, :999]):  # float32, bf16, a strided view
+            assert torch.equal(argmax_rows(t), t.argmax(dim=-1))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.platforms.base import to_device
-from pagellm.sample.logprobs import log_softmax
+from pagellm.sample.logprobs import argmax_rows, log_softmax
 from pagellm.sample.token_masks import apply_token_masks, has_masks
 from pagellm.sampling_params import SamplingParams
 
@@ -57,18 +57,18 @@ class Sampler:
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         if not want_logprobs and all(r.params.greedy and not self._needs_processing(r) for r in rows):
             # bf16/fp16 -> fp32 is exact, so the argmax of the raw logits is the fp32 argmax.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+            return SamplerOutput(argmax_rows(logits).tolist(), None, None)
 
         # Raw logprobs come from the model's logits before any processing (vLLM's default).
         raw_logprobs = log_softmax(logits) if want_logprobs else None
         x = self.process(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            tokens = x.argmax(dim=-1)
+            tokens = argmax_rows(x)
         elif not any(greedy):
             tokens = _sample(x, rows)
         else:
-            tokens = x.argmax(dim=-1)
+            tokens = argmax_rows(x)
             rand = [i for i, g in enumerate(greedy) if not g]
             rand_idx = to_device(rand, x.device)
             tokens[rand_idx] = _sample(x[rand_idx], [rows[i] for i in rand])
@@ -233,7 +233,7 @@ def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Random rows only: temperature, top-k, top-p, min-p, then argmax(probs / Exp(1)) ~ Categorical."""
     probs = sampling_probs(x, rows)
-    return probs.div_(_exponential_noise(probs, rows)).argmax(dim=-1)
+    return argmax_rows(probs.div_(_exponential_noise(probs, rows)))
 
 
 def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from pagellm.core.scheduler import ScheduledRequest
 from pagellm.platforms.base import to_device
 from pagellm.sample.beam import beam_candidates
-from pagellm.sample.logprobs import log_softmax
+from pagellm.sample.logprobs import argmax_rows, log_softmax
 from pagellm.sample.rejection import verify, verify_greedy
 from pagellm.sample.sampler import Sampler, SamplingRow, sampling_probs
 from pagellm.structured_output import StructuredOutputManager, apply_grammar_masks
@@ -91,7 +91,7 @@ class StepSampler:
         argmax: dict[str, list[int]] = {}
         if greedy:
             idx = to_device([r for w in greedy for r in w[1]], logits.device)
-            best = self.sampler.process(logits[idx], [r for w in greedy for r in w[2]]).argmax(dim=-1).tolist()
+            best = argmax_rows(self.sampler.process(logits[idx], [r for w in greedy for r in w[2]])).tolist()
             at = 0
             for s, rows, _, _ in greedy:
                 argmax[s.request.request_id] = best[at:at + len(rows)]
