@@ -50,26 +50,30 @@ class CpuPagedAttention(AttentionBackend):
         return out
 
     def _long_requests(self, q, kv_cache, meta: AttentionMetadata, scale: float, long: list[int]) -> torch.Tensor:
-        """The output rows of the requests in `long` (other rows left unset)."""
+        """The output rows of the requests in `long` (other rows left unset): the own bf16 kernel for those it
+        takes, SDPA for the rest (in bf16 under "sdpa", else in q's dtype)."""
         mode = self.bf16_prefill
-        if mode is None or (mode == "kernel" and meta.sliding_window is not None):
-            return self._reference.attend(q, kv_cache, meta, scale, long)
+        kernel = mode is not None and meta.sliding_window is None  # the kernel has no sliding window
         out = torch.empty_like(q)
         starts, rest = meta.query_start_loc, []
         for i in long:
-            # AMX: SDPA wins from a few hundred keys on; below, its gather and casts cost more than the kernel
-            if mode == "sdpa" and (meta.seq_lens[i] >= SDPA_MIN_KEYS or meta.sliding_window is not None):
-                rest.append(i)
-                continue
-            o = ops.prefill_attention_bf16(q[starts[i]:starts[i + 1]], kv_cache, meta.block_tables[i],
-                                           meta.seq_lens[i], scale)
-            if o is None:  # a shape or KV dtype the kernel does not take (or a build without it)
+            o = None
+            # under "sdpa" (AMX) the kernel keeps only requests over few keys: SDPA's gather and casts cost more
+            if kernel and (mode == "kernel" or meta.seq_lens[i] < SDPA_MIN_KEYS):
+                o = ops.prefill_attention_bf16(q[starts[i]:starts[i + 1]], kv_cache, meta.block_tables[i],
+                                               meta.seq_lens[i], scale)
+            if o is None:  # not for the kernel, or a shape / KV dtype / build it does not take
                 rest.append(i)
             else:
                 out[starts[i]:starts[i + 1]] = o
-        if rest:  # "sdpa": on bf16 copies of q and of the gathered keys and values
-            ref = (self._reference.attend(q.to(torch.bfloat16), kv_cache, meta, scale, rest).float() if mode == "sdpa"
-                   else self._reference.attend(q, kv_cache, meta, scale, rest))
-            for i in rest:
-                out[starts[i]:starts[i + 1]] = ref[starts[i]:starts[i + 1]]
+        if not rest:
+            return out
+        if mode == "sdpa":  # on bf16 copies of q and of the gathered keys and values
+            ref = self._reference.attend(q.to(torch.bfloat16), kv_cache, meta, scale, rest).float()
+        else:
+            ref = self._reference.attend(q, kv_cache, meta, scale, rest)
+        if len(rest) == len(long):
+            return ref
+        for i in rest:
+            out[starts[i]:starts[i + 1]] = ref[starts[i]:starts[i + 1]]
         return out
