@@ -77,7 +77,7 @@ class StepSampler:
     def _verify(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
         """Rejection-sample each speculating request's drafts against its k + 1 rows of target logits. Greedy
         requests are processed together (processing is row by row) and their argmaxes read in one copy."""
-        work, row = [], 0  # (ScheduledRequest, its rows of logits, their SamplingRows, its generator)
+        work, row = [], 0  # (ScheduledRequest, its rows of logits, their SamplingRows)
         for s in scheduled:
             n = 1 + len(s.spec_token_ids)
             if s.spec_token_ids:
@@ -85,7 +85,7 @@ class StepSampler:
                 base = self.sampling_row(req)
                 rows = [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + spec[:j],
                                     base.generator) for j in range(n)]
-                work.append((s, range(row, row + n), rows, base.generator))
+                work.append((s, range(row, row + n), rows))
             row += n
         greedy = [w for w in work if w[0].request.params.greedy]
         argmax: dict[str, list[int]] = {}
@@ -93,11 +93,11 @@ class StepSampler:
             idx = to_device([r for w in greedy for r in w[1]], logits.device)
             best = argmax_rows(self.sampler.process(logits[idx], [r for w in greedy for r in w[2]])).tolist()
             at = 0
-            for s, rows, _, _ in greedy:
+            for s, rows, _ in greedy:
                 argmax[s.request.request_id] = best[at:at + len(rows)]
                 at += len(rows)
         out = {}
-        for s, rows, sampling_rows, generator in work:  # in batch order: unseeded draws share the global RNG
+        for s, rows, sampling_rows in work:  # in batch order: unseeded draws share the global RNG
             req, spec = s.request, s.spec_token_ids
             x = logits[rows.start:rows.stop]
             if req.params.greedy:
@@ -105,7 +105,7 @@ class StepSampler:
             else:
                 draft_probs = s.draft_probs.to(self.device) if s.draft_probs is not None else None
                 tokens = verify(sampling_probs(self.sampler.process(x, sampling_rows), sampling_rows), spec,
-                                draft_probs, generator)
+                                draft_probs, sampling_rows[0].generator)
             out[req.request_id] = self._with_logprobs(req, x, tokens)
         return out
 
