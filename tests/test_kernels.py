@@ -76,13 +76,15 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_1"])
+@pytest.mark.parametrize("k", [64, 96, 160, 576])  # 2, 3, 5, 18 blocks: every partial group of the VNNI-512 path
 @pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().pagellm_has_simd(),
                     reason="without AVX2 the int8 entry points run the float32 path")
-def test_int8_activation_rows_are_independent_and_match_rounded_x(kind):
+def test_int8_activation_rows_are_independent_and_match_rounded_x(kind, k):
     """Every row of an int8-activation product is computed alone, bit for bit (speculative verification
-    must agree with one-row decoding), and equals the float product of the weights with x rounded to int8."""
+    must agree with one-row decoding), and equals the float product of the weights with x rounded to int8
+    (AVX-512 VNNI builds: four q4 / two q8 blocks per instruction, cpu/quant_linear_vnni.h)."""
     rng = np.random.default_rng(7)
-    n, k = 72, 160
+    n = 74  # 18 groups of four columns and two single ones
     w = random_packed(kind, n, k, rng)
     x = torch.randn(20, k) * torch.linspace(0.1, 4, k)  # blocks of different magnitudes
     for rows in (1, 2, 3, 4, 5, 7, 9, 20):
@@ -97,6 +99,28 @@ def test_int8_activation_rows_are_independent_and_match_rounded_x(kind):
                                                      .double()).t()
                    + x[:rows].double() @ w.m.repeat_interleave(32, dim=1).double().t())
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_1"])
+@pytest.mark.parametrize("k", [64, 96, 160, 576])
+def test_fine_int8_activations_match_float32_and_rows_are_independent(kind, k):
+    """INT8_FINE (x as int8 plus its rounding error as a second int8 plane, AVX-512 VNNI builds; the float32
+    kernel elsewhere): every row computed alone, bit for bit, and within ~1e-4 of the output scale of the
+    float32 product, where one-plane int8 is off by ~1e-2."""
+    rng = np.random.default_rng(11)
+    w = random_packed(kind, 74, k, rng)
+    x = torch.randn(9, k) * torch.linspace(0.1, 4, k)
+    exact = ops.packed_linear(x, w).double()
+    scale = exact.abs().max().item()
+    for rows in (1, 2, 4, 5, 9):
+        got = ops.packed_linear(x[:rows], w, ops.INT8_FINE)
+        for r in range(rows):
+            assert torch.equal(got[r], ops.packed_linear(x[r:r + 1], w, ops.INT8_FINE)[0])
+        assert (got.double() - exact[:rows]).abs().max().item() < 2e-4 * scale
+    if ops.has_fine_int8_activations():  # the second plane is what makes the difference
+        coarse = (ops.packed_linear(x, w, ops.INT8).double() - exact).abs().max().item()
+        fine = (ops.packed_linear(x, w, ops.INT8_FINE).double() - exact).abs().max().item()
+        assert fine < coarse / 20
 
 
 def test_blas_matmul_layouts_and_checks():

@@ -29,6 +29,12 @@ KIND_CODES = {"q4_1": 0, "q8_0": 1, "q8_1": 2, "fp8_e4m3": 3, "q4_1_16": 4, "q8_
 # for. fp8: e4m3 values span 2^-9..448, which 8-bit integer dot products cannot hold exactly; the *_16
 # kinds: one scale per 16 weights would need a second scale per integer dot product (not built).
 INT8_ACTIVATION_KINDS = frozenset({"q4_1", "q8_0", "q8_1"})
+# How packed products treat their activations (OpChoices.int8_activations, the kernels' int8_x):
+INT8_OFF = 0  # float32 x
+INT8 = 1  # llama.cpp's scheme: x rounded to int8 per 32-value block (--int8-activations)
+# x as int8 plus its rounding error as a second int8 plane in steps of 1/128 of the block's scale (~15 bits):
+# float32-level results (benchmarks/NOTES.md, thirteenth session); float32 kernels where the build lacks it
+INT8_FINE = 2
 
 
 def kernel_reads(w: PackedWeight) -> bool:
@@ -36,10 +42,11 @@ def kernel_reads(w: PackedWeight) -> bool:
     return w.kind in KIND_CODES
 
 
-def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = False) -> torch.Tensor:
-    """x [M, K] (rows may be strided) @ W^T -> [M, N]. int8_activations: llama.cpp's scheme (x rounded
-    to int8 per 32-value block, integer dot products), faster for one row, no longer float32-exact; kinds
-    without such a kernel (INT8_ACTIVATION_KINDS) stay float32."""
+def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: int = INT8_OFF) -> torch.Tensor:
+    """x [M, K] (rows may be strided) @ W^T -> [M, N]. int8_activations INT8 (or True): llama.cpp's scheme (x
+    rounded to int8 per 32-value block, integer dot products), faster for one row, no longer float32-exact;
+    INT8_FINE: with a second plane for the rounding error; kinds without such a kernel (INT8_ACTIVATION_KINDS)
+    stay float32."""
     if w.kind not in KIND_CODES:
         raise ValueError(f"packed_linear: no kernel reads {w.kind!r} blocks")
     if x.stride(-1) != 1:
@@ -48,7 +55,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, int8_activations: bool = Fal
     if k != w.in_features:
         raise ValueError(f"packed_linear: x has {k} columns, the weight {w.in_features}")
     y = torch.empty(m, n, dtype=torch.float32)
-    library().pagellm_packed_linear(KIND_CODES[w.kind], int(int8_activations and w.kind in INT8_ACTIVATION_KINDS),
+    library().pagellm_packed_linear(KIND_CODES[w.kind], int(int8_activations) if w.kind in INT8_ACTIVATION_KINDS else 0,
                                     x.data_ptr(), x.stride(0), m, k, w.qs.data_ptr(), w.d.data_ptr(), ptr(w.m), n,
                                     y.data_ptr(), n, torch.get_num_threads())
     return y
@@ -144,6 +151,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         raise ValueError(f"paged_attention kernel: unsupported shape or KV dtype (heads {h}, kv heads {num_kv}, "
                          f"head_dim {d}, {kv_cache.dtype})")
     return out
+
+
+def has_fine_int8_activations() -> bool:
+    """Whether the loaded kernels have the two-plane int8 activations (INT8_FINE; AVX-512 VNNI: path bit 4)."""
+    return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 4 & 1)
 
 
 def has_bf16_prefill_attention() -> bool:

@@ -40,14 +40,14 @@ struct DecoderLayer {
 
 struct DecoderDims {
     int32_t hidden, heads, kv_heads, head_dim, intermediate, window;
-    int32_t int8_activations;  // int8 x per 32-block in the matmuls (quant_linear.cpp)
+    int32_t int8_activations;  // 0, or int8 x per 32-block in the matmuls (1, or 2: two planes; quant_linear.cpp)
     int32_t kv_format;  // the KV cache's element format (KvFormat, kv_format.h)
     float eps, scale;
     const float* rope_cos;
     const float* rope_sin;
 };
 
-static void matmul(const PackedMatrix& w, const float* x, int T, float* y, bool int8_x, int nthreads) {
+static void matmul(const PackedMatrix& w, const float* x, int T, float* y, int int8_x, int nthreads) {
     pagellm_packed_linear(w.kind, int8_x, x, w.in_features, T, w.in_features, w.qs, w.d, w.m, w.out_features, y,
                           w.out_features, nthreads);
     if (w.bias)
@@ -65,7 +65,7 @@ extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLay
                                        const int64_t* row_seq, int nthreads) {
     const int C = dims->hidden, H = dims->heads, KV = dims->kv_heads, D = dims->head_dim;
     const int qkv_width = (H + 2 * KV) * D;
-    const bool int8_x = dims->int8_activations;
+    const int int8_x = dims->int8_activations;
     std::vector<float> residual(x, x + (int64_t)T * C), delta((int64_t)T * C), h((int64_t)T * C);
     std::vector<float> qkv((int64_t)T * qkv_width), attn((int64_t)T * H * D);
     std::vector<float> gate_up((int64_t)T * 2 * dims->intermediate), act((int64_t)T * dims->intermediate);

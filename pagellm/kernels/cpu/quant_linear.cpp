@@ -18,6 +18,7 @@
 #include <cstring>
 #include <vector>
 
+#include "quant_linear_vnni.h"
 #include "quant_linear_wide.h"
 #include "simd.h"
 
@@ -42,6 +43,8 @@ inline void column(const float* x, int64_t ldx, int K, const Q* qs, int64_t q_pe
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; ++b) {
+        // columns lie one after another: fetch 4 KiB ahead (decode streams each weight once; NOTES)
+        _mm_prefetch(reinterpret_cast<const char*>(qs + b * q_per_block) + 4096, _MM_HINT_T0);
         Quants w = Unpack(qs + b * q_per_block);
         const __m256 d0 = _mm256_set1_ps(d[b * 32 / G]), d1 = _mm256_set1_ps(d[b * 32 / G + (G == 16)]);
         for (int r = 0; r < R; ++r) {
@@ -191,6 +194,7 @@ inline void column_i8(const QuantizedRows& xr, int r0, int K, const Q* qn, int64
     const int8_t* xq = xr.q.data() + (size_t)r0 * K;
     const float* dx = xr.d.data() + (size_t)r0 * nb;
     auto step = [&](int b, int h) {  // h: which chain (b's parity, a constant after unrolling)
+        _mm_prefetch(reinterpret_cast<const char*>(qn + b * q_per_block) + 4096, _MM_HINT_T0);  // as in column
         const auto w = prepare(qn + b * q_per_block);
         for (int r = 0; r < R; ++r) {
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (size_t)r * K + b * 32));
@@ -213,6 +217,10 @@ template <typename Q>
 void linear_i8(const float* x, int64_t ldx, int M, int K, const Q* qs, int64_t q_per_block, const float* d,
                const float* m, int N, float* y, int64_t ldy, int nthreads) {
     const int nb = K / 32;
+#ifdef PAGELLM_VNNI512  // four q4 blocks (two q8) per instruction: quant_linear_vnni.h
+    vnni512::linear<Q>(x, ldx, M, K, qs, d, m, N, y, ldy, nthreads, 1);
+    return;
+#endif
     const QuantizedRows xr = quantize_rows(x, ldx, M, K);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int n = 0; n < N; ++n) {
@@ -379,25 +387,3 @@ extern "C" void pagellm_q8_1_linear_i8(const float* x, int64_t ldx, int M, int K
     pagellm_q8_1_linear(x, ldx, M, K, qs, d, m, N, y, ldy, nthreads);
 }
 #endif
-
-// One entry for every kind (codes: pagellm/kernels/ops.py KIND_CODES; the native decoder calls it too).
-// int8_x selects the int8-activation kernel where the kind has one (q4_1, q8_0, q8_1), else the float one.
-extern "C" void pagellm_packed_linear(int kind, int int8_x, const float* x, int64_t ldx, int M, int K,
-                                      const void* qs, const float* d, const float* m, int N, float* y, int64_t ldy,
-                                      int nthreads) {
-    const auto* u8 = static_cast<const uint8_t*>(qs);
-    const auto* i8 = static_cast<const int8_t*>(qs);
-    switch (kind) {
-        case 0: (int8_x ? pagellm_q4_1_linear_i8 : pagellm_q4_1_linear)(x, ldx, M, K, u8, d, m, N, y, ldy, nthreads);
-            break;
-        case 1: (int8_x ? pagellm_q8_0_linear_i8 : pagellm_q8_0_linear)(x, ldx, M, K, i8, d, N, y, ldy, nthreads);
-            break;
-        case 2: (int8_x ? pagellm_q8_1_linear_i8 : pagellm_q8_1_linear)(x, ldx, M, K, i8, d, m, N, y, ldy, nthreads);
-            break;
-        case 3: pagellm_fp8_e4m3_linear(x, ldx, M, K, u8, d, N, y, ldy, nthreads); break;
-        case 4: pagellm_q4_1_16_linear(x, ldx, M, K, u8, d, m, N, y, ldy, nthreads); break;
-        case 5: pagellm_q8_0_16_linear(x, ldx, M, K, i8, d, N, y, ldy, nthreads); break;
-        case 6: pagellm_q8_1_16_linear(x, ldx, M, K, i8, d, m, N, y, ldy, nthreads); break;
-        default: break;
-    }
-}
