@@ -1,8 +1,9 @@
 """`--dtype auto` against `--dtype float32` on SmolLM2: chosen-token logprob differences while the greedy
 outputs agree, and float32's top-1 margin where they part (the figures behind tests/test_dtype_auto.py's
 bounds; the prompts are the test's). Twice: all 27 prompts in one batch (decode steps of 27 rows: the bf16
-GEMMs), and at most 4 running at once (decode steps of <= 4 rows: the packed kernels in float32); then
-float32 with `--int8-activations` at most 4 at once (what few-row steps would cost if auto chose them).
+GEMMs), and at most 4 running at once (decode steps of <= 4 rows: the packed kernels, with int8 activations
+where the platform chose them), the same with `--no-int8-activations` (float32 few-row products); then
+float32 with `--int8-activations` at most 4 at once.
 
     .venv/bin/python benchmarks/dtype_auto_quality.py
 """
@@ -36,6 +37,8 @@ def main() -> None:
     a = LLM(None, dtype="float32").generate(PROMPTS, params, use_tqdm=False)
     configs = [("auto, max_num_seqs 256", {"dtype": "auto", "max_num_seqs": 256}),
                ("auto, max_num_seqs 4", {"dtype": "auto", "max_num_seqs": 4}),
+               ("auto --no-int8-activations, max_num_seqs 4",
+                {"dtype": "auto", "max_num_seqs": 4, "int8_activations": False}),
                ("float32 + int8 activations, max_num_seqs 4", {"int8_activations": True, "max_num_seqs": 4})]
     for label, options in configs:
         b = LLM(None, **options).generate(PROMPTS, params, use_tqdm=False)

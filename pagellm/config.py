@@ -199,7 +199,8 @@ class EngineArgs:
     # faster single-stream decode on the CPU, logprobs no longer float32-exact (tests/test_kernels.py).
     # Bigger steps stay float32, so with speculation a verification step of more than 20 rows can part
     # from what non-speculative int8 decoding would have said.
-    int8_activations: bool = False
+    # None: the platform decides (under --dtype auto with AVX-512 VNNI: two-plane int8, kernels.ops.INT8_FINE).
+    int8_activations: bool | None = None
     quantization: str = "auto"
     # --quantization int4: input columns per (scale, minimum) group; K of every matrix must be a multiple.
     quantization_group_size: int = 128
@@ -388,11 +389,13 @@ class EngineArgs:
                             "(default; ~530 MiB less for SmolLM2, same results: many-row matmuls dequantize "
                             "slices on the fly). --no-packed-weights-only keeps float32 copies for ~5%% faster "
                             "prefill")
-        g.add_argument("--int8-activations", action="store_true",
-                       help="packed (GGUF q4_1/q8_0) matmuls quantize activations to int8 per 32 values, "
+        g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
+                       help="packed (GGUF q4_1/q8_0) few-row matmuls quantize activations to int8 per 32 values, "
                             "as llama.cpp does: faster single-stream CPU decode; chosen-token logprobs differ "
                             "from float32 by ~0.03 nats (median; rare tokens up to ~0.7), so greedy output can "
-                            "part where the top two tokens are close")
+                            "part where the top two tokens are close. Default: under --dtype auto where the "
+                            "CPU has AVX-512 VNNI, int8 plus a second int8 plane for the rounding error "
+                            "(float32-level logprobs, `pagellm info`); float32 activations otherwise")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
         g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="split every layer's heads and MLP columns over this many worker processes")

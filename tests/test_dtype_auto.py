@@ -32,6 +32,22 @@ def test_platform_chooses_bf16_gemms_only_for_auto():
     assert p.bf16_dot_products == ("avx512_bf16" in p.isa or "amx_bf16" in p.isa)
 
 
+def test_platform_chooses_fine_int8_activations_only_for_auto_with_avx512_vnni():
+    """Two-plane int8 activations in few-row products: the platform's choice under auto where the kernel build
+    has them; an explicit --int8-activations (llama.cpp's one-plane scheme) / --no-int8-activations wins; an
+    explicit dtype stays exact."""
+    from pagellm.kernels import ops
+
+    p = get_platform("cpu")
+    assert p.fine_int8_activations == (p.native_kernels and ops.has_fine_int8_activations())
+    auto = p.op_choices(torch.float32, auto=True).int8_activations
+    assert auto == (ops.INT8_FINE if p.fine_int8_activations else ops.INT8_OFF)
+    assert p.op_choices(torch.float32).int8_activations == ops.INT8_OFF
+    assert p.op_choices(torch.float32, False, auto=True).int8_activations == ops.INT8_OFF
+    assert p.op_choices(torch.float32, True, auto=True).int8_activations == (ops.INT8 if p.native_kernels else 0)
+    assert ("two-plane int8" in p.describe()["dtype"]) == p.fine_int8_activations
+
+
 def test_auto_kv_cache_is_float16_only_with_bf16_gemms_and_a_kernel_that_reads_it(monkeypatch, tiny_hf_model,
                                                                                  smollm_gguf_path):
     from pagellm import LLM
@@ -102,7 +118,9 @@ def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     prompts = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
     prompts += ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
-    exact, auto = LLM(smollm_gguf_path, dtype="float32"), LLM(smollm_gguf_path, dtype="auto")
+    # the bf16 GEMMs' bounds: few-row steps (int8 activations where the platform chose them) are tested below
+    exact = LLM(smollm_gguf_path, dtype="float32")
+    auto = LLM(smollm_gguf_path, dtype="auto", int8_activations=False)
     bf16 = auto.engine.model.layers[0].mlp.down_proj.weight_bf16 is not None
     assert bf16 == get_platform("cpu").op_choices(torch.float32, auto=True).bf16_gemm
     a = exact.generate(prompts, params, use_tqdm=False)
@@ -120,4 +138,31 @@ def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
                 break
             diffs.append(abs(la[ta].logprob - lb[tb].logprob))
     assert len(diffs) >= 100
+    assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_dtype_auto_single_stream_stays_close_to_float32(smollm_gguf_path):
+    """One request at a time under auto: prefill takes the bf16 GEMMs, decode steps of one row the few-row
+    kernels, with two-plane int8 activations where the platform chose them: the bf16 bounds above hold (the
+    second plane keeps the products at float32 level; one-plane int8 would not: tests/test_kernels.py)."""
+    from pagellm import LLM, SamplingParams
+    from pagellm.kernels import ops
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    prompts = ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
+    exact, auto = LLM(smollm_gguf_path, dtype="float32"), LLM(smollm_gguf_path, dtype="auto")
+    mode = auto.engine.model.layers[0].mlp.down_proj.int8_activations
+    assert mode == (ops.INT8_FINE if get_platform("cpu").fine_int8_activations else ops.INT8_OFF)
+    diffs = []
+    for prompt in prompts:
+        a = exact.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        b = auto.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
+            if tok_a != tok_b:
+                top2 = sorted((x.logprob for x in lp_a.values()), reverse=True)[:2]
+                assert top2[0] - top2[1] < AUTO_WIDE_MARGIN, "a wide-margin float32 top-1 was lost"
+                break
+            diffs.append(abs(lp_a[tok_a].logprob - lp_b[tok_b].logprob))
+    assert len(diffs) >= 60
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL

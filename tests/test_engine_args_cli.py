@@ -32,6 +32,8 @@ def test_every_flag_reaches_its_field():
     assert (args.speculative_method, args.num_speculative_tokens) == ("ngram", 3)
     assert args.attention_backend == "torch_sdpa_reference"
     assert not args.packed_weights_only and args.int8_activations and args.num_threads == 2
+    # int8 activations: None leaves the choice to the platform (under --dtype auto), False refuses them
+    assert parse().int8_activations is None and parse("--no-int8-activations").int8_activations is False
 
 
 def test_from_cli_args_ignores_other_attributes():

@@ -26,7 +26,8 @@ class OpChoices:
 
     native_ops: fused native kernels for RMSNorm + residual, RoPE and SiLU-and-mul (`forward_cpu`);
     packed_kernels: few-row products read GGUF blocks in place; blas_gemm: many-row float32 GEMMs go
-    through numpy's OpenBLAS; int8_activations: packed products round x to int8 (llama.cpp's scheme);
+    through numpy's OpenBLAS; int8_activations: how packed products treat x (kernels.ops: INT8_OFF float32,
+    INT8 rounded to int8 per 32 values as llama.cpp does, INT8_FINE int8 plus a rounding-error plane);
     packed_weights_only: float copies of packed weights are freed after loading; bf16_gemm: many-row
     products (more rows than the few-row kernels take) multiply bfloat16 copies of the weights and of x with
     float32 accumulation (torch's oneDNN GEMM), where the CPU has bf16 dot products and `--dtype auto` asked
@@ -38,7 +39,7 @@ class OpChoices:
     native_ops: bool = False
     packed_kernels: bool = False
     blas_gemm: bool = False
-    int8_activations: bool = False
+    int8_activations: int = 0
     packed_weights_only: bool = False
     bf16_gemm: bool = False
     packed_max_rows: int | None = None
@@ -85,11 +86,12 @@ class Platform:
         name = str(dtype).removeprefix("torch.")
         return {"linear": name, "attention": name, "norm": "float32 (then cast)", "logits": "float32"}
 
-    def op_choices(self, dtype: torch.dtype, int8_activations: bool = False,
+    def op_choices(self, dtype: torch.dtype, int8_activations: bool | None = None,
                    packed_weights_only: bool = True, auto: bool = False) -> OpChoices:
         """auto: the user asked for the platform's choice (`--dtype auto`), so faster, non-exact paths may
-        be chosen; with an explicit dtype, only paths exact for it."""
-        return OpChoices(int8_activations=int8_activations)
+        be chosen; with an explicit dtype, only paths exact for it. int8_activations None: the platform's
+        choice (here: off)."""
+        return OpChoices(int8_activations=int(bool(int8_activations)))
 
     def attention_backend(self, requested: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> str:
         """The backend name for `--attention-backend auto`; other values pass through (checked by the

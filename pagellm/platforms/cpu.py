@@ -126,20 +126,33 @@ class CpuPlatform(Platform):
         many-row products there (benchmarks/microbench_bf16_gemm.py)."""
         return "avx512_bf16" in self.isa or "amx_bf16" in self.isa
 
-    def op_choices(self, dtype: torch.dtype, int8_activations: bool = False,
+    def op_choices(self, dtype: torch.dtype, int8_activations: bool | None = None,
                    packed_weights_only: bool = True, auto: bool = False) -> OpChoices:
         native = dtype == torch.float32 and self.native_kernels
         blas = native and self.openblas_gemm
         bf16 = auto and dtype == torch.float32 and self.bf16_dot_products
-        # int8 activations stay opt-in under auto too: 1.3-1.5x faster few-row products with VNNI
-        # (benchmarks/microbench_few_rows.py), but 23 of 27 greedy sequences part from float32 within 24
-        # tokens, some where float32 led by 0.37 nats, against 1 of 27 for auto's bf16 (dtype_auto_quality.py).
-        # Dropping float copies needs a many-row path over the blocks (OpenBLAS on dequantized slices).
+        from pagellm.kernels import ops
+
+        if int8_activations is None:  # the platform's choice: under auto, the two-plane mode where it is built
+            mode = ops.INT8_FINE if auto and self.fine_int8_activations else ops.INT8_OFF
+        else:
+            mode = ops.INT8 if int8_activations else ops.INT8_OFF
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
-                         int8_activations=native and int8_activations,
+                         int8_activations=mode if native else ops.INT8_OFF,
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
                          packed_max_rows=BF16_PACKED_MAX_ROWS if bf16 else None,
                          bf16_prepacked=bf16 and torch.backends.mkldnn.is_available())
+
+    @property
+    def fine_int8_activations(self) -> bool:
+        """Whether `--dtype auto` runs the few-row (decode) products on two-plane int8 activations (x as int8
+        per 32 values plus its rounding error as a second int8 plane, kernels.ops.INT8_FINE): where the kernel
+        build has AVX-512 VNNI (four q4 blocks per vpdpbusd). Chosen-token logprobs within 0.002 nats of
+        float32 and 1.2x its single-stream decode on the Xeon VM (benchmarks/NOTES.md, thirteenth session);
+        llama.cpp's one-plane scheme (--int8-activations) is faster still but parts from float32 sooner."""
+        from pagellm.kernels import ops
+
+        return self.native_kernels and ops.has_fine_int8_activations()
 
     def auto_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """float16 where the platform chose bf16 GEMMs and the paged kernel reads float16 in place: half the
@@ -226,7 +239,8 @@ class CpuPlatform(Platform):
                         f"built for -march={build['march']}, hand-written paths {', '.join(build['paths'])}"),
             "kernel_isa": "-" if build is None else " ".join(build["isa"]) or "baseline x86-64",
             "dtype": f"auto -> {str(dtype).removeprefix('torch.')}" + (
-                f" activations, bf16 GEMMs above {BF16_PACKED_MAX_ROWS} rows" if choices.bf16_gemm else ""),
+                f" activations, bf16 GEMMs above {BF16_PACKED_MAX_ROWS} rows" if choices.bf16_gemm else "") + (
+                ", two-plane int8 activations in few-row products" if choices.int8_activations else ""),
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",

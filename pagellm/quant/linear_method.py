@@ -104,7 +104,7 @@ class LinearMethod:
         raise NotImplementedError
 
     @property
-    def int8_activations(self) -> bool:
+    def int8_activations(self) -> int:
         return False
 
 
@@ -128,7 +128,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
     name = "gguf_blocks"
 
     @property
-    def int8_activations(self) -> bool:
+    def int8_activations(self) -> int:
         return self.choices.int8_activations
 
     def process_after_loading(self, layer) -> None:

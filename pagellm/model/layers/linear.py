@@ -76,7 +76,7 @@ class Linear(nn.Module):
         return self.quant_method.bf16_rows(self, rows)
 
     @property
-    def int8_activations(self) -> bool:
+    def int8_activations(self) -> int:
         return self.quant_method.int8_activations
 
     def load_shard(self, start: int, tensor: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from pagellm.quant import rtn
 
 
 def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device | None = None,
-              int8_activations: bool = False, packed_weights_only: bool = True,
+              int8_activations: bool | None = None, packed_weights_only: bool = True,
               auto_dtype: bool = False, quantization: str = "auto",
               quantization_group_size: int = 128) -> torch.nn.Module:
     """Builds the architecture on the meta device, materialises it on `device`, streams the weights in and
