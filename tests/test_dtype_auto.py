@@ -46,6 +46,12 @@ def test_platform_chooses_fine_int8_activations_only_for_auto_with_avx512_vnni()
     assert p.op_choices(torch.float32, False, auto=True).int8_activations == ops.INT8_OFF
     assert p.op_choices(torch.float32, True, auto=True).int8_activations == (ops.INT8 if p.native_kernels else 0)
     assert ("two-plane int8" in p.describe()["dtype"]) == p.fine_int8_activations
+    # int8 few-row products read 0.6 bytes per weight: they keep steps up to a higher row count from bf16
+    import pagellm.platforms.cpu as cpu
+
+    if p.bf16_dot_products and p.native_kernels:
+        assert p.op_choices(torch.float32, False, auto=True).packed_max_rows == cpu.BF16_PACKED_MAX_ROWS
+        assert p.op_choices(torch.float32, True, auto=True).packed_max_rows == cpu.INT8_PACKED_MAX_ROWS
 
 
 def test_auto_kv_cache_is_float16_only_with_bf16_gemms_and_a_kernel_that_reads_it(monkeypatch, tiny_hf_model,

@@ -33,6 +33,10 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx51
 # layer. Whole decode steps on the Zen 5 VM: the packed decoder wins at 4 rows, ties at 6, bf16 is 10-15%
 # faster at 8 and ~1.6x at 16 (benchmarks/NOTES.md).
 BF16_PACKED_MAX_ROWS = 6
+# The same limit where few-row products run on int8 activations (AVX-512 VNNI: four q4 blocks per vpdpbusd,
+# weights read at 0.6 bytes where the bf16 GEMM reads 2): whole decode steps on the Xeon VM (AMX) under auto,
+# packed vs bf16 (benchmarks/few_rows_steps.py): 1.25x at 8 rows, 1.15x at 12, even at 16 (NOTES, 13th session).
+INT8_PACKED_MAX_ROWS = 12
 
 # `pagellm info`'s words for each bf16_prefill_attention choice
 PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto, else torch SDPA",
@@ -140,7 +144,8 @@ class CpuPlatform(Platform):
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
                          int8_activations=mode if native else ops.INT8_OFF,
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
-                         packed_max_rows=BF16_PACKED_MAX_ROWS if bf16 else None,
+                         packed_max_rows=(INT8_PACKED_MAX_ROWS if native and mode else BF16_PACKED_MAX_ROWS)
+                         if bf16 else None,
                          bf16_prepacked=bf16 and torch.backends.mkldnn.is_available())
 
     @property
@@ -239,7 +244,7 @@ class CpuPlatform(Platform):
                         f"built for -march={build['march']}, hand-written paths {', '.join(build['paths'])}"),
             "kernel_isa": "-" if build is None else " ".join(build["isa"]) or "baseline x86-64",
             "dtype": f"auto -> {str(dtype).removeprefix('torch.')}" + (
-                f" activations, bf16 GEMMs above {BF16_PACKED_MAX_ROWS} rows" if choices.bf16_gemm else "") + (
+                f" activations, bf16 GEMMs above {choices.packed_max_rows} rows" if choices.bf16_gemm else "") + (
                 ", two-plane int8 activations in few-row products" if choices.int8_activations else ""),
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
