@@ -1,6 +1,7 @@
 """Whole decode steps at a few rows under `--dtype auto`: engines with different few-row limits
-(`BF16_PACKED_MAX_ROWS`, or `INT8_PACKED_MAX_ROWS` where few-row products take int8 activations, above which steps leave the packed kernels and the one-call decoder for the bf16
-GEMMs), the same batch of requests (prompts 100-200 tokens, 64 greedy tokens each) run three times in
+(`BF16_PACKED_MAX_ROWS`, or `INT8_PACKED_MAX_ROWS` where few-row products take int8 activations, above
+which steps leave the packed kernels and the one-call decoder for the bf16 GEMMs), the same batch of
+requests (prompts 100-200 tokens, 64 greedy tokens each) run three times in
 turn; wall and CPU seconds per run. The limits 6 and 12 in pagellm/platforms/cpu.py come from this:
 
     OMP_WAIT_POLICY=passive env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \\
