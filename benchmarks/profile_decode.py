@@ -22,8 +22,10 @@ def main() -> None:
     ap.add_argument("--ngram", action="store_true", help="n-gram speculation (K=4) on the grounded task")
     ap.add_argument("--prompt-len", type=int, default=None, help="a random prompt of this many tokens")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dtype", default="float32")
     ns = ap.parse_args()
     kv = {} if ns.kv_cache_dtype == "auto" else {"kv_cache_dtype": ns.kv_cache_dtype}
+    kv["dtype"] = ns.dtype
     if ns.ngram:
         from pagellm.bench.common import latency_prompts
 

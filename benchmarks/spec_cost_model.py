@@ -1,7 +1,7 @@
 """What n-gram speculation can gain on this machine: measured step cost by draft count, times the
 n-gram proposer replayed on the real greedy output of `pagellm bench latency`'s grounded task.
 
-    .venv/bin/python benchmarks/spec_cost_model.py
+    .venv/bin/python benchmarks/spec_cost_model.py [DTYPE]     (float32, or auto)
 
 1. Cost: single-stream decode steps that verify k drafts (k = 0..8; the drafts are never accepted, so every
    step yields one token) -> ms per step and its ratio to a plain step (median of 3 rounds).
@@ -59,9 +59,14 @@ def replay(prompt: list[int], out: list[int], k: int, cost: list[float]) -> tupl
 
 
 def main() -> None:
-    llm = LLM(None, speculative_method="ngram", num_speculative_tokens=MAX_K)
+    import sys
+
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
+    # adaptive drafting off: it would drop the never-accepted drafts and time plain steps instead (it did,
+    # until the thirteenth session: the costs printed before then are plain steps')
+    llm = LLM(None, dtype=dtype, speculative_method="ngram", num_speculative_tokens=MAX_K, speculative_adaptive=False)
     prompt = latency_prompts(llm.engine.tokenizer, 0, "grounded", 0, 1)[0]
-    greedy = LLM(None).generate([prompt], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)
+    greedy = LLM(None, dtype=dtype).generate([prompt], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)
     out = list(greedy[0].outputs[0].token_ids)
     costs = step_costs(llm)
     ratio = [c / costs[0] for c in costs]

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.spec_decode.adaptive import EXPLORE_EVERY, SpeculationController
+from pagellm.spec_decode.adaptive import EXPLORE_EVERY, MAX_EXPLORE_EVERY, SpeculationController
 
 # pure Python or a tiny model: seconds here; a minute means something hangs
 pytestmark = pytest.mark.timeout(60)
@@ -62,10 +62,20 @@ def test_acceptance_is_measured_per_draft_position():
     assert ctl.plan({"a": 4}, batch_rows=1) == {"a": 4}
 
 
-def test_exploration_keeps_measuring_both_ends():
+def test_exploration_keeps_measuring_both_ends_and_backs_off_while_drafts_lose():
     ctl = warmed({1: 1.0, 5: 4.0})  # drafts never pay here
-    plans = [ctl.plan({"a": 3}, batch_rows=1)["a"] for _ in range(2 * EXPLORE_EVERY)]
-    assert plans.count(3) == 2 and plans.count(0) == 2 * EXPLORE_EVERY - 2
+    plans = [ctl.plan({"a": 3}, batch_rows=1)["a"] for _ in range(4 * MAX_EXPLORE_EVERY)]
+    explored = [i for i, k in enumerate(plans) if k == 3]
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps[0] == EXPLORE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_EXPLORE_EVERY
+    assert plans.count(0) == len(plans) - len(explored)
+    # once drafts pay again (cheap rows, a request that copies), the period is back at EXPLORE_EVERY
+    for rows, seconds in {1: 1.0, 5: 1.1}.items():
+        ctl.step_cost[rows] = seconds
+    for _ in range(10):
+        ctl.observe_request("a", drafted=3, accepted=3)
+    ctl.num_plans = 1
+    assert ctl.plan({"a": 3}, batch_rows=1) == {"a": 3} and 1 not in ctl.every
 
 
 def test_cost_interpolates_and_extrapolates():

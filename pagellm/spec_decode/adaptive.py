@@ -15,7 +15,10 @@ request and draft position the smoothed rate at which that draft is accepted giv
 A batch size's first step runs plain and its next one with every draft (so both ends are measured);
 after that, one step in EXPLORE_EVERY drafts everything proposed and another drafts nothing, so the
 estimates follow the text and the context length. That bounds the cost of a wrong estimate to about one
-step in EXPLORE_EVERY.
+step in EXPLORE_EVERY. Where an exploration finds that drafts still do not pay at its batch size, that
+batch size explores half as often (down to one plan in MAX_EXPLORE_EVERY), and back at EXPLORE_EVERY once
+drafts pay again: an all-drafts step can cost several plain ones (on the Xeon VM a 20-row verification
+step of 4 requests costs ~3 plain 4-row steps, and exploring every 16th step alone lost 6% at batch 4).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ NEXT_PRIOR = (2.0, 3.0)
 DECAY = 0.9  # per observation: a request's acceptance follows the text it is writing now
 COST_EMA = 0.2  # weight of a new step time in its row count's average
 EXPLORE_EVERY = 16
+MAX_EXPLORE_EVERY = 128
 RECHECK_EVERY = 4  # while a batch size keeps no drafts, ask the proposer on one step in this many
 
 
@@ -40,6 +44,7 @@ class SpeculationController:
         self.acceptance: dict[str, list[list[float]]] = {}
         self.num_plans = 0
         self.kept: dict[int, int] = {}  # batch rows -> drafts kept by the last plan at that batch size
+        self.every: dict[int, int] = {}  # batch rows -> its exploration period (backs off while drafts lose)
 
     # ---- measurements -------------------------------------------------------------------------
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -105,10 +110,13 @@ class SpeculationController:
         self.num_plans += 1
         if not proposals:
             return {}
-        phase = self.num_plans % self.explore_every
-        if batch_rows not in self.step_cost or phase == self.explore_every // 2:
+        every = self.every.get(batch_rows, self.explore_every)
+        phase = self.num_plans % every
+        if batch_rows not in self.step_cost or phase == every // 2:
             return dict.fromkeys(proposals, 0)  # measure the plain step
         if phase == 0 or not any(r > batch_rows for r in self.step_cost):
+            if phase == 0 and self.kept.get(batch_rows) == 0:  # drafts lost since the last exploration
+                self.every[batch_rows] = min(2 * every, MAX_EXPLORE_EVERY)
             return dict(proposals)  # measure a step with every draft (and the acceptance rates)
         marginal = sorted((v, rid) for rid, k in proposals.items() for v in self.draft_values(rid, k))
         marginal.reverse()
@@ -125,14 +133,17 @@ class SpeculationController:
         for _, rid in marginal[:best]:
             keep[rid] += 1
         self.kept[batch_rows] = best
+        if best:
+            self.every.pop(batch_rows, None)
         return keep
 
     def wants_proposals(self, batch_rows: int) -> bool:
         """Whether to run the proposer at all this step: proposing costs time too (the n-gram search over
         every running request), so while this batch size keeps no drafts it is asked only every
         RECHECK_EVERY plans, and on the exploration phases."""
-        phase = (self.num_plans + 1) % self.explore_every  # the phase plan() will be in
-        return self.kept.get(batch_rows, 1) > 0 or phase in (0, self.explore_every // 2) or \
+        every = self.every.get(batch_rows, self.explore_every)
+        phase = (self.num_plans + 1) % every  # the phase plan() will be in
+        return self.kept.get(batch_rows, 1) > 0 or phase in (0, every // 2) or \
             (self.num_plans + 1) % RECHECK_EVERY == 0
 
     def skip(self) -> None:
