@@ -1,6 +1,7 @@
 """Adaptive drafting (pagellm/spec_decode/adaptive.py): drafts are kept only where their expected tokens
 are worth the measured cost of the rows that verify them; output never changes."""
 
+import itertools
 import random
 
 import pytest
@@ -66,7 +67,7 @@ def test_exploration_keeps_measuring_both_ends_and_backs_off_while_drafts_lose()
     ctl = warmed({1: 1.0, 5: 4.0})  # drafts never pay here
     plans = [ctl.plan({"a": 3}, batch_rows=1)["a"] for _ in range(4 * MAX_EXPLORE_EVERY)]
     explored = [i for i, k in enumerate(plans) if k == 3]
-    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(explored)]
     assert gaps[0] == EXPLORE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_EXPLORE_EVERY
     assert plans.count(0) == len(plans) - len(explored)
     # once drafts pay again (cheap rows, a request that copies), the period is back at EXPLORE_EVERY
