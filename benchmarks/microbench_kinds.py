@@ -1,5 +1,6 @@
 """Few-row packed matmuls per PackedWeight kind (and the GGUF types held as it) on SmolLM2-135M's shapes:
-1 and 4 rows, float32 activations and, where a kind has them, int8 ones.
+1 and 4 rows, float32 activations and, where a kind has them, int8 ones (llama.cpp's one plane, and the
+two-plane INT8_FINE that `--dtype auto` chooses on AVX-512 VNNI CPUs).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/microbench_kinds.py [--repeats 7]
 
@@ -54,7 +55,8 @@ def main() -> None:
     weights = {kind: [random_weight(kind, n, k, rng) for _ in range(30) for n, k in SHAPES] for kind in kinds}
     xs = {(rows, k): torch.randn(rows, k) for rows in (1, 4) for k in (576, 1536)}
     cases = [(kind, rows, i8) for kind in kinds for rows in (1, 4)
-             for i8 in ((False, True) if kind in ops.INT8_ACTIVATION_KINDS else (False,))]
+             for i8 in ((ops.INT8_OFF, ops.INT8, ops.INT8_FINE) if kind in ops.INT8_ACTIVATION_KINDS
+                        else (ops.INT8_OFF,))]
     times: dict[tuple, list[float]] = {c: [] for c in cases}
     for _ in range(args.repeats):
         for kind, rows, i8 in cases:
@@ -63,12 +65,13 @@ def main() -> None:
                 ops.packed_linear(xs[(rows, w.in_features)], w, int8_activations=i8)
             times[(kind, rows, i8)].append(1e3 * (time.perf_counter() - t))
     print(f"threads {torch.get_num_threads()}; ms per decode step's 120 matmuls (median of {args.repeats})")
-    print("| kind (GGUF type) | bytes/weight | 1 row | 4 rows | 1 row, int8 x | 4 rows, int8 x |")
-    print("|---|---|---|---|---|---|")
+    print("| kind (GGUF type) | bytes/weight | 1 row | 4 rows | 1 row, int8 x | 4 rows, int8 x "
+          "| 1 row, two-plane | 4 rows, two-plane |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind in kinds:
         per_weight = sum(w.nbytes for w in weights[kind]) / sum(w.out_features * w.in_features for w in weights[kind])
         cells = [f"{statistics.median(times[(kind, r, i8)]):.2f}" if (kind, r, i8) in times else "-"
-                 for i8 in (False, True) for r in (1, 4)]
+                 for i8 in (ops.INT8_OFF, ops.INT8, ops.INT8_FINE) for r in (1, 4)]
         print(f"| {kind} ({TYPES[kind]}) | {per_weight:.3f} | " + " | ".join(cells) + " |")
 
 
