@@ -117,6 +117,20 @@ def test_prepacked_bf16_weights_give_the_plain_products_bit_for_bit():
     assert torch.equal(packed(x), plain(x)[:, 8:24])
 
 
+def _agreeing_logprob_diffs(exact_outputs, fast_outputs) -> list[float]:
+    """Chosen-token |logprob difference| of two greedy runs while their tokens agree; where they part,
+    float32's top-1 must have led by less than AUTO_WIDE_MARGIN."""
+    diffs = []
+    for x, y in zip(exact_outputs, fast_outputs, strict=True):
+        for ta, tb, la, lb in zip(x.token_ids, y.token_ids, x.logprobs, y.logprobs, strict=True):
+            if ta != tb:
+                top2 = sorted((v.logprob for v in la.values()), reverse=True)[:2]
+                assert top2[0] - top2[1] < AUTO_WIDE_MARGIN, "a wide-margin float32 top-1 was lost"
+                break
+            diffs.append(abs(la[ta].logprob - lb[tb].logprob))
+    return diffs
+
+
 @pytest.mark.slow
 def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
     from pagellm import LLM, SamplingParams
@@ -134,15 +148,7 @@ def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
     if not bf16:  # no bf16 dot products here: auto is float32, and exact
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
         return
-    diffs = []
-    for x, y in zip(a, b, strict=True):
-        for ta, tb, la, lb in zip(x.outputs[0].token_ids, y.outputs[0].token_ids, x.outputs[0].logprobs,
-                                  y.outputs[0].logprobs, strict=True):
-            if ta != tb:
-                top2 = sorted((v.logprob for v in la.values()), reverse=True)[:2]
-                assert top2[0] - top2[1] < AUTO_WIDE_MARGIN, "a wide-margin float32 top-1 was lost"
-                break
-            diffs.append(abs(la[ta].logprob - lb[tb].logprob))
+    diffs = _agreeing_logprob_diffs([o.outputs[0] for o in a], [o.outputs[0] for o in b])
     assert len(diffs) >= 100
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
 
@@ -160,15 +166,8 @@ def test_dtype_auto_single_stream_stays_close_to_float32(smollm_gguf_path):
     exact, auto = LLM(smollm_gguf_path, dtype="float32"), LLM(smollm_gguf_path, dtype="auto")
     mode = auto.engine.model.layers[0].mlp.down_proj.int8_activations
     assert mode == (ops.INT8_FINE if get_platform("cpu").fine_int8_activations else ops.INT8_OFF)
-    diffs = []
-    for prompt in prompts:
-        a = exact.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-        b = auto.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
-            if tok_a != tok_b:
-                top2 = sorted((x.logprob for x in lp_a.values()), reverse=True)[:2]
-                assert top2[0] - top2[1] < AUTO_WIDE_MARGIN, "a wide-margin float32 top-1 was lost"
-                break
-            diffs.append(abs(lp_a[tok_a].logprob - lp_b[tok_b].logprob))
+    one_by_one = [(exact.generate([p], params, use_tqdm=False)[0].outputs[0],
+                   auto.generate([p], params, use_tqdm=False)[0].outputs[0]) for p in prompts]
+    diffs = _agreeing_logprob_diffs(*zip(*one_by_one, strict=True))
     assert len(diffs) >= 60
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
