@@ -2,7 +2,8 @@
 1 and 4 rows, float32 activations and, where a kind has them, int8 ones (llama.cpp's one plane, and the
 two-plane INT8_FINE that `--dtype auto` chooses on AVX-512 VNNI CPUs).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/microbench_kinds.py [--repeats 7]
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/microbench_kinds.py [--repeats 7] [--rows 1 4]
+        [--kinds q4_1 ...]
 
 Per kind, the 30 layers' fused q/k/v [960, 576], o [576, 576], gate/up [3072, 576] and down [576, 1536]
 products of one decode step, as random valid blocks (weights stream from memory as in decode: ~30 layers
@@ -49,12 +50,14 @@ def random_weight(kind: str, n: int, k: int, rng: np.random.Generator) -> Packed
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="rows per product (default 1 4)")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    kinds = list(KINDS)
+    kinds, row_counts = args.kinds, args.rows
     weights = {kind: [random_weight(kind, n, k, rng) for _ in range(30) for n, k in SHAPES] for kind in kinds}
-    xs = {(rows, k): torch.randn(rows, k) for rows in (1, 4) for k in (576, 1536)}
-    cases = [(kind, rows, i8) for kind in kinds for rows in (1, 4)
+    xs = {(rows, k): torch.randn(rows, k) for rows in row_counts for k in (576, 1536)}
+    cases = [(kind, rows, i8) for kind in kinds for rows in row_counts
              for i8 in ((ops.INT8_OFF, ops.INT8, ops.INT8_FINE) if kind in ops.INT8_ACTIVATION_KINDS
                         else (ops.INT8_OFF,))]
     times: dict[tuple, list[float]] = {c: [] for c in cases}
@@ -65,13 +68,13 @@ def main() -> None:
                 ops.packed_linear(xs[(rows, w.in_features)], w, int8_activations=i8)
             times[(kind, rows, i8)].append(1e3 * (time.perf_counter() - t))
     print(f"threads {torch.get_num_threads()}; ms per decode step's 120 matmuls (median of {args.repeats})")
-    print("| kind (GGUF type) | bytes/weight | 1 row | 4 rows | 1 row, int8 x | 4 rows, int8 x "
-          "| 1 row, two-plane | 4 rows, two-plane |")
-    print("|---|---|---|---|---|---|---|---|")
+    modes = ("", ", int8 x", ", two-plane")
+    print("| kind (GGUF type) | bytes/weight | " + " | ".join(f"{r} rows{m}" for m in modes for r in row_counts) + " |")
+    print("|---|---|" + "---|" * (len(modes) * len(row_counts)))
     for kind in kinds:
         per_weight = sum(w.nbytes for w in weights[kind]) / sum(w.out_features * w.in_features for w in weights[kind])
         cells = [f"{statistics.median(times[(kind, r, i8)]):.2f}" if (kind, r, i8) in times else "-"
-                 for i8 in (ops.INT8_OFF, ops.INT8, ops.INT8_FINE) for r in (1, 4)]
+                 for i8 in (ops.INT8_OFF, ops.INT8, ops.INT8_FINE) for r in row_counts]
         print(f"| {kind} ({TYPES[kind]}) | {per_weight:.3f} | " + " | ".join(cells) + " |")
 
 

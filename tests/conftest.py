@@ -200,3 +200,18 @@ def no_llama_cpp(tmp_path, monkeypatch):
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('simulated: no llama_cpp here')\n")
     monkeypatch.setenv("PYTHONPATH", str(shadow.parent))
+
+
+def agreeing_logprob_diffs(exact_outputs, fast_outputs, wide_margin: float) -> list[float]:
+    """Chosen-token |logprob difference| of two greedy runs (CompletionOutputs with logprobs >= 2, pairwise)
+    while their tokens agree; where they part, the exact run's top-1 must have led by less than wide_margin
+    (the faster path may only flip near-ties). For the tolerance tests of the non-exact paths."""
+    diffs = []
+    for x, y in zip(exact_outputs, fast_outputs, strict=True):
+        for ta, tb, la, lb in zip(x.token_ids, y.token_ids, x.logprobs, y.logprobs, strict=True):
+            if ta != tb:
+                top2 = sorted((v.logprob for v in la.values()), reverse=True)[:2]
+                assert top2[0] - top2[1] < wide_margin, "a wide-margin float32 top-1 was lost"
+                break
+            diffs.append(abs(la[ta].logprob - lb[tb].logprob))
+    return diffs

@@ -10,6 +10,7 @@ import statistics
 
 import pytest
 import torch
+from conftest import agreeing_logprob_diffs
 
 from pagellm.model.layers.linear import Linear
 from pagellm.platforms import get_platform
@@ -37,9 +38,13 @@ def test_platform_chooses_fine_int8_activations_only_for_auto_with_avx512_vnni()
     has them; an explicit --int8-activations (llama.cpp's one-plane scheme) / --no-int8-activations wins; an
     explicit dtype stays exact."""
     from pagellm.kernels import ops
+    from pagellm.kernels.build import build_info
 
     p = get_platform("cpu")
-    assert p.fine_int8_activations == (p.native_kernels and ops.has_fine_int8_activations())
+    # where the compiler targets AVX-512 F/BW/VNNI (what `-march` gave the kernels, not the path bits)
+    build = build_info() if p.native_kernels else None
+    assert p.fine_int8_activations == (build is not None and {"avx512f", "avx512bw", "avx512vnni"} <= set(build["isa"]))
+    assert p.fine_int8_activations == ops.has_fine_int8_activations()
     auto = p.op_choices(torch.float32, auto=True).int8_activations
     assert auto == (ops.INT8_FINE if p.fine_int8_activations else ops.INT8_OFF)
     assert p.op_choices(torch.float32).int8_activations == ops.INT8_OFF
@@ -117,20 +122,6 @@ def test_prepacked_bf16_weights_give_the_plain_products_bit_for_bit():
     assert torch.equal(packed(x), plain(x)[:, 8:24])
 
 
-def _agreeing_logprob_diffs(exact_outputs, fast_outputs) -> list[float]:
-    """Chosen-token |logprob difference| of two greedy runs while their tokens agree; where they part,
-    float32's top-1 must have led by less than AUTO_WIDE_MARGIN."""
-    diffs = []
-    for x, y in zip(exact_outputs, fast_outputs, strict=True):
-        for ta, tb, la, lb in zip(x.token_ids, y.token_ids, x.logprobs, y.logprobs, strict=True):
-            if ta != tb:
-                top2 = sorted((v.logprob for v in la.values()), reverse=True)[:2]
-                assert top2[0] - top2[1] < AUTO_WIDE_MARGIN, "a wide-margin float32 top-1 was lost"
-                break
-            diffs.append(abs(la[ta].logprob - lb[tb].logprob))
-    return diffs
-
-
 @pytest.mark.slow
 def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
     from pagellm import LLM, SamplingParams
@@ -148,7 +139,7 @@ def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
     if not bf16:  # no bf16 dot products here: auto is float32, and exact
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
         return
-    diffs = _agreeing_logprob_diffs([o.outputs[0] for o in a], [o.outputs[0] for o in b])
+    diffs = agreeing_logprob_diffs([o.outputs[0] for o in a], [o.outputs[0] for o in b], AUTO_WIDE_MARGIN)
     assert len(diffs) >= 100
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
 
@@ -168,6 +159,6 @@ def test_dtype_auto_single_stream_stays_close_to_float32(smollm_gguf_path):
     assert mode == (ops.INT8_FINE if get_platform("cpu").fine_int8_activations else ops.INT8_OFF)
     one_by_one = [(exact.generate([p], params, use_tqdm=False)[0].outputs[0],
                    auto.generate([p], params, use_tqdm=False)[0].outputs[0]) for p in prompts]
-    diffs = _agreeing_logprob_diffs(*zip(*one_by_one, strict=True))
+    diffs = agreeing_logprob_diffs(*zip(*one_by_one, strict=True), AUTO_WIDE_MARGIN)
     assert len(diffs) >= 60
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL

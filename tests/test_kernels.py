@@ -441,16 +441,11 @@ def test_int8_activations_stay_close_to_float32(smollm_gguf_path):
     prompts = ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
     exact, fast = LLM(smollm_gguf_path), LLM(smollm_gguf_path, int8_activations=True)
     assert fast.engine.model.layers[0].mlp.down_proj.int8_activations
-    diffs = []
-    for prompt in prompts:  # one at a time, as in single-stream decoding
-        a = exact.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-        b = fast.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
-            if tok_a != tok_b:
-                top2 = sorted((x.logprob for x in lp_a.values()), reverse=True)[:2]
-                assert top2[0] - top2[1] < INT8_WIDE_MARGIN, "a wide-margin float32 top-1 was lost"
-                break
-            diffs.append(abs(lp_a[tok_a].logprob - lp_b[tok_b].logprob))
+    from conftest import agreeing_logprob_diffs
+
+    one_by_one = [(exact.generate([p], params, use_tqdm=False)[0].outputs[0],  # as in single-stream decoding
+                   fast.generate([p], params, use_tqdm=False)[0].outputs[0]) for p in prompts]
+    diffs = agreeing_logprob_diffs(*zip(*one_by_one, strict=True), INT8_WIDE_MARGIN)
     assert len(diffs) >= 10  # a broken kernel parts at once, with a wide margin
     assert statistics.median(diffs) < INT8_LOGPROB_MEDIAN_TOL
     assert max(diffs) < INT8_LOGPROB_TOL

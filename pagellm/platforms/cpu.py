@@ -152,9 +152,10 @@ class CpuPlatform(Platform):
     def fine_int8_activations(self) -> bool:
         """Whether `--dtype auto` runs the few-row (decode) products on two-plane int8 activations (x as int8
         per 32 values plus its rounding error as a second int8 plane, kernels.ops.INT8_FINE): where the kernel
-        build has AVX-512 VNNI (four q4 blocks per vpdpbusd). Chosen-token logprobs within 0.002 nats of
-        float32 and 1.2x its single-stream decode on the Xeon VM (benchmarks/NOTES.md, thirteenth session);
-        llama.cpp's one-plane scheme (--int8-activations) is faster still but parts from float32 sooner."""
+        build has AVX-512 VNNI (four q4 blocks per vpdpbusd). On the Xeon VM: logprobs as auto without int8
+        (dtype_auto_quality.py), products within 4e-5 of the float32 ones' scale, single-stream decode 1.3x
+        float32 x (benchmarks/NOTES.md, thirteenth session); llama.cpp's one-plane scheme (--int8-activations)
+        is faster still but parts from float32 sooner."""
         from pagellm.kernels import ops
 
         return self.native_kernels and ops.has_fine_int8_activations()

@@ -105,7 +105,7 @@ class LinearMethod:
 
     @property
     def int8_activations(self) -> int:
-        return False
+        return 0
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -7,9 +7,9 @@
 // bit 1: float16 KV cache reads and writes (F16C; attention.cpp needs AVX2 + FMA with it)
 // bit 2: int8 dot products in one instruction (vpdpbusd: AVX-VNNI or AVX-512 VNNI + VL) for the int8-activation
 //        products of quant_linear.cpp
-// bit 4: int8-activation products four q4 blocks per 512-bit vpdpbusd, and their two-plane (~16-bit) mode
-//        (AVX-512 F/BW/VNNI; quant_linear_vnni.h)
 // bit 3: bf16 flash attention for prefill chunks (AVX-512 F/BW/BF16 with the AVX2 path; prefill_attention.cpp)
+// bit 4: int8-activation products four q4 blocks per 512-bit vpdpbusd, and their two-plane (~15-bit) mode
+//        (AVX-512 F/BW/VNNI; quant_linear_vnni.h)
 extern "C" int pagellm_build_features() {
     int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)

@@ -216,11 +216,11 @@ inline void column_i8(const QuantizedRows& xr, int r0, int K, const Q* qn, int64
 template <typename Q>
 void linear_i8(const float* x, int64_t ldx, int M, int K, const Q* qs, int64_t q_per_block, const float* d,
                const float* m, int N, float* y, int64_t ldy, int nthreads) {
-    const int nb = K / 32;
 #ifdef PAGELLM_VNNI512  // four q4 blocks (two q8) per instruction: quant_linear_vnni.h
     vnni512::linear<Q>(x, ldx, M, K, qs, d, m, N, y, ldy, nthreads, 1);
     return;
 #endif
+    const int nb = K / 32;
     const QuantizedRows xr = quantize_rows(x, ldx, M, K);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int n = 0; n < N; ++n) {

@@ -1,10 +1,10 @@
 // AVX-512 VNNI twins of quant_linear.cpp's int8-activation products (q4_1, q8_0, q8_1): one 512-bit
 // vpdpbusd multiplies four q4 blocks (or two q8 blocks) by the row's int8 values, where the AVX2 path
-// takes one block per 256-bit instruction and converts every block's sum to float on its own. A q4_1
-// block costs ~3 instructions instead of ~8, so the one-row product (decode), which the AVX2 path leaves
-// instruction-bound on AVX-512 CPUs, comes close to the memory bound (benchmarks/NOTES.md).
-// Same contract as the AVX2 path: x is rounded to int8 per 32-value block exactly as quantize_rows does,
-// and every row is computed by the same operations in the same order whatever the number of rows.
+// takes one block per 256-bit instruction and converts every block's sum to float on its own; with the
+// weights prefetched ahead the one-row product (decode) runs at the memory bound (benchmarks/NOTES.md,
+// thirteenth session). Two activation modes: planes 1 rounds x to int8 per 32-value block exactly as
+// quantize_rows does (llama.cpp's scheme); planes 2 adds the rounding error as a second int8 plane (prepare).
+// Every row is computed by the same operations in the same order whatever the number of rows.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -26,8 +26,8 @@ namespace vnni512 {
 //   q4 layout, per group: the four blocks' elements 0..15 (64 bytes), then their elements 16..31, so a
 //     block's low nibbles meet its first half and its high nibbles its second;
 //   q8 layout: the natural order (two 32-byte blocks per vector).
-// scale[r][g] holds each block's x scale repeated over the int32 lanes that carry its sums (4 lanes per
-// q4 block, 8 per q8 block); blocks past the end are zero in both, so a partial last group adds nothing.
+// scale[r][g] (plane 0 only) holds each block's x scale repeated over the int32 lanes that carry its sums (4
+// lanes per q4 block, 8 per q8 block); blocks past the end are zero, so a partial last group adds nothing.
 struct Rows {
     int groups = 0;
     std::vector<int8_t> q;       // [M, groups, 64 (q8) or 128 (q4)]
@@ -86,32 +86,19 @@ void prepare(const float* x, int64_t ldx, int M, int K, int planes, Rows* out, s
         }
 }
 
-// Each weight block's scale over the lanes that carry its sums: four (q4) or two (q8) scales from dn -> 16
-// lanes; count < 4 (2): a partial last group, read with a mask.
-inline __m512 spread(__m128 v, bool q4) {
+// Each weight block's scale over the lanes that carry its sums: `count` scales from dn (four per q4 group,
+// two per q8 group; fewer in a partial last group, read with a mask) -> 16 lanes.
+inline __m512 spread(const float* dn, int count, bool q4) {
     const __m512i q4_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512i q8_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128 v = _mm_maskz_loadu_ps((__mmask8)((1u << count) - 1), dn);
     return _mm512_permutexvar_ps(q4 ? q4_lanes : q8_lanes, _mm512_castps128_ps512(v));
-}
-inline __m512 spread4(const float* dn) { return spread(_mm_loadu_ps(dn), true); }
-inline __m512 spread4(const float* dn, int count) {
-    return spread(_mm_maskz_loadu_ps((__mmask8)((1u << count) - 1), dn), true);
-}
-inline __m512 spread2(const float* dn) {
-    return spread(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dn))), false);
-}
-inline __m512 spread2(const float* dn, int count) {
-    return spread(_mm_maskz_loadu_ps((__mmask8)((1u << count) - 1), dn), false);
 }
 
 // Four totals at once: lane c of the result is the sum of v[c]'s 16 lanes (one reduction tree for four
 // columns instead of four).
 inline __m128 reduce4(const __m512* v) {
-    __m256 h[4];
-    for (int c = 0; c < 4; ++c)
-        h[c] = _mm256_add_ps(_mm512_castps512_ps256(v[c]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[c]), 1)));
-    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(fold16(v[0]), fold16(v[1])), _mm256_hadd_ps(fold16(v[2]), fold16(v[3])));
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
@@ -135,10 +122,8 @@ inline void columns(const Rows* x, int r0, int nb, const Q* qn, int64_t q_row, c
             // the same bytes 16 columns on: decode streams every weight once, and with the hardware prefetcher
             // alone these loops wait on memory (1.4-1.6x from this line; benchmarks/NOTES.md, thirteenth session)
             _mm_prefetch(reinterpret_cast<const char*>(qg + 16 * q_row), _MM_HINT_T0);
-            const __m512i w = count == per_group ? _mm512_loadu_si512(qg) : _mm512_maskz_loadu_epi8(mask, qg);
-            const float* dg = dn + (int64_t)c * nb + g * per_group;
-            const __m512 dw = count == per_group ? (q4 ? spread4(dg) : spread2(dg))
-                                                 : (q4 ? spread4(dg, count) : spread2(dg, count));
+            const __m512i w = _mm512_maskz_loadu_epi8(mask, qg);
+            const __m512 dw = spread(dn + (int64_t)c * nb + g * per_group, count, q4);
             __m512i u0, u1;  // unsigned weight bytes (q4: low and high nibbles; q8: |w|)
             __mmask64 negative = 0;
             if constexpr (q4) {
