@@ -40,7 +40,7 @@ ISA_MACROS = ["AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512B
               "AMX_TILE", "AMX_BF16", "AMX_INT8"]
 # Bit i of pagellm_build_features() (cpu/features.cpp): the hand-written kernel paths compiled into the
 # library (AVX2+FMA, F16C, VNNI; the compiler may still auto-vectorize plain loops for any ISA in "isa").
-PATHS = ["avx2-fma", "f16c-kv", "vnni-int8", "avx512-bf16-prefill-attention", "avx512-vnni-int8"]
+PATHS = ["avx2-fma", "f16c-kv", "vnni-int8", "avx512-bf16-prefill-attention", "avx512-vnni-int8", "amx-bf16-q4"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -60,6 +60,9 @@ SIGNATURES = {
     "pagellm_q8_1_16_linear": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
     # kind code, int8 activations, then as pagellm_q4_1_linear (m may be NULL)
     "pagellm_packed_linear": ([_i32, _i32, _p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
+    # x, ldx, x is bf16, M, K, tile-order codes, d, m, N, y, ldy, y is bf16, threads (cpu/quant_linear_amx.cpp)
+    "pagellm_q4_1_linear_amx": ([_p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32, _i32], _i32),
+    "pagellm_amx_ready": ([], _i32),
     "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p, _i32], _i32),
     "pagellm_paged_attention": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _p, _p, _i32, _f32,
                                  _p, _i32, _i32], _i32),

@@ -37,6 +37,11 @@ BF16_PACKED_MAX_ROWS = 6
 # weights read at 0.6 bytes where the bf16 GEMM reads 2): whole decode steps on the Xeon VM (AMX) under auto,
 # packed vs bf16 (benchmarks/few_rows_steps.py): 1.25x at 8 rows, 1.15x at 12, even at 16 (NOTES, 13th session).
 INT8_PACKED_MAX_ROWS = 12
+# Under auto with AMX-BF16, many-row products of q4_1 blocks up to this many rows dequantize the blocks into AMX
+# tiles (kernels/amx.py) instead of the oneDNN product on the bf16 copy: one decode step's 120 layer products on
+# the Xeon VM, cold weights (benchmarks/microbench_amx.py): 1.5x at 8-32 rows, 1.3x at 40-48, ~1.2x at 64;
+# past that the products wait on the tiles, not on memory, and oneDNN's blocking wins (0.5-0.9x at 128-256).
+AMX_MAX_ROWS = 64
 
 # `pagellm info`'s words for each bf16_prefill_attention choice
 PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto, else torch SDPA",
@@ -146,7 +151,18 @@ class CpuPlatform(Platform):
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
                          packed_max_rows=(INT8_PACKED_MAX_ROWS if native and mode else BF16_PACKED_MAX_ROWS)
                          if bf16 else None,
-                         bf16_prepacked=bf16 and torch.backends.mkldnn.is_available())
+                         bf16_prepacked=bf16 and torch.backends.mkldnn.is_available(),
+                         amx_max_rows=AMX_MAX_ROWS if bf16 and native and self.amx_tiles else 0)
+
+    @property
+    def amx_tiles(self) -> bool:
+        """Whether the CPU has AMX-BF16, the kernel build its tile path, and Linux granted this process the tile
+        state (kernels/amx.py); PAGELLM_CPU_AMX=0 switches the AMX products off (oneDNN's bf16 path instead)."""
+        if "amx_bf16" not in self.isa or not self.native_kernels or os.environ.get("PAGELLM_CPU_AMX", "1") == "0":
+            return False
+        from pagellm.kernels import amx
+
+        return amx.amx_ready()
 
     @property
     def fine_int8_activations(self) -> bool:
@@ -251,7 +267,9 @@ class CpuPlatform(Platform):
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
             "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"
-                                   if choices.bf16_gemm else "float32"),
+                                   if choices.bf16_gemm else "float32") + (
+                f"; q4_1 blocks dequantized into AMX bf16 tiles up to {choices.amx_max_rows} rows"
+                if choices.amx_max_rows else ""),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
             "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))],
             "kv_cache_dtype": f"auto -> {str(self.auto_kv_dtype(dtype)).removeprefix('torch.')} under --dtype auto",

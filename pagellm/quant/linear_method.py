@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from pagellm.kernels import blas, ops
+from pagellm.kernels import amx, blas, ops
 from pagellm.platforms.base import OpChoices
 from pagellm.quant.formats import PACKED_MAX_ROWS, PackedWeight
 
@@ -133,9 +133,19 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer) -> None:
         super().process_after_loading(layer)  # the bfloat16 copy, from the blocks
+        self.pack_amx(layer)
         # A kind no kernel reads keeps its float copy: that is what it computes with.
         if self.choices.packed_weights_only and self.reads_blocks(layer.packed):
             drop_float_weight(layer)
+
+    def pack_amx(self, layer) -> None:
+        """The blocks in AMX tile order where the platform chose AMX products and the kernel takes the kind."""
+        use = self.choices.amx_max_rows and layer.packed is not None and amx.packs(layer.packed)
+        layer.amx_q4 = amx.pack_q4_1(layer.packed) if use else None
+
+    def amx_rows(self, layer, rows: int) -> bool:
+        """Whether a many-row product of this many rows runs on AMX tiles over the blocks."""
+        return getattr(layer, "amx_q4", None) is not None and path_rows(rows, self.choices) <= self.choices.amx_max_rows
 
     def reads_blocks(self, packed: PackedWeight) -> bool:
         return self.choices.packed_kernels and ops.kernel_reads(packed)
@@ -155,6 +165,10 @@ class GGUFBlocksLinearMethod(LinearMethod):
         if packed.act_fp8:
             x = fp8_activations(x, packed.act_scale)
         few = self.few_rows(layer, x.shape[0])
+        if not few and self.amx_rows(layer, x.shape[0]):  # as bf16_matmul: bf16 out where it feeds a bf16 op
+            bf16_out = layer.bf16_out and layer.bias is None
+            y = amx.q4_1_linear(x, layer.amx_q4, torch.bfloat16 if bf16_out else torch.float32)
+            return y if layer.bias is None else y.add_(layer.bias)
         if layer.weight_bf16 is not None and not few:
             return self.bf16_matmul(layer, x)
         if few:

@@ -1,0 +1,81 @@
+"""Many-row products over q4_1 blocks on AMX bf16 tiles (cpu/quant_linear_amx.cpp): the blocks repacked once
+into the order a tile is filled in, then dequantized into the tiles at every product. The arithmetic is
+the bf16 path's (the same bf16 weights and x, float32 sums, bf16 or float32 out), reading 0.8 bytes per
+weight instead of the bf16 copy's 2: what decode steps of more rows than the few-row kernels take wait on."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.kernels.build import cpu_kernels, library
+from pagellm.quant.formats import PackedWeight
+
+TILE_COLUMNS, BLOCK = 16, 32
+STRIP = 2 * TILE_COLUMNS  # columns per work item (two B tiles)
+
+
+@dataclass
+class AmxQ41:
+    """A q4_1 weight in tile order: codes uint8 [N/32, K/32, 2, 16, 16] (strip of 32 columns, block, group of
+    16 columns, tile row r: byte i holds lane i low, lane 16 + i high; lane L is column L // 2 of the group,
+    input 2 r + L % 2 of the block), d and m float32 [N/32, K/32, 2, 16]."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """Whether the kernels were built with the AMX path (build feature bit 5) and Linux granted this process
+    the tile state."""
+    return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 5 & 1) \
+        and bool(library().pagellm_amx_ready())
+
+
+def packs(w: PackedWeight) -> bool:
+    """Whether pack_q4_1 takes this weight: q4_1 blocks in natural column order, N a multiple of 32."""
+    return w.kind == "q4_1" and w.perm is None and w.out_features % STRIP == 0 and w.in_features % BLOCK == 0
+
+
+def pack_q4_1(w: PackedWeight) -> AmxQ41:
+    if not packs(w):
+        raise ValueError(f"pack_q4_1: a {w.kind} weight [{w.out_features}, {w.in_features}] has no tile order")
+    n, k = w.out_features, w.in_features
+    g, nb = n // TILE_COLUMNS, k // BLOCK
+    q = w.qs.reshape(n, nb, BLOCK // 2)
+    codes = torch.cat([q & 15, q >> 4], dim=2)  # [n, nb, 32] in input order (byte j: inputs j and j + 16)
+    lanes = codes.reshape(g, TILE_COLUMNS, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(g, nb, 16, 32)
+    tile = (lanes[..., :16] | (lanes[..., 16:] << 4)).reshape(g // 2, 2, nb, 16, 16).transpose(1, 2).contiguous()
+
+    def per_group(v: torch.Tensor) -> torch.Tensor:  # [strip, block, group, 16 columns]
+        return v.reshape(g // 2, 2, TILE_COLUMNS, nb).permute(0, 3, 1, 2).contiguous()
+
+    return AmxQ41(tile, per_group(w.d), per_group(w.m), n, k)
+
+
+def q4_1_linear(x: torch.Tensor, w: AmxQ41, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] float32 or bfloat16 (rows may be strided) @ W^T -> [M, N] in out_dtype (float32 or bfloat16),
+    x rounded to bf16 and float32 sums as the oneDNN bf16 path."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    if k != w.in_features:
+        raise ValueError(f"amx q4_1_linear: x has {k} columns, the weight {w.in_features}")
+    y = torch.empty(m, w.out_features, dtype=out_dtype)
+    rc = library().pagellm_q4_1_linear_amx(x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, k,
+                                           w.codes.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.out_features,
+                                           y.data_ptr(), y.stride(0), int(out_dtype == torch.bfloat16),
+                                           torch.get_num_threads())
+    if rc:
+        raise RuntimeError("amx q4_1_linear: this build or process has no AMX tiles")
+    return y
