@@ -34,8 +34,10 @@ def batched_decode(rows: int = 64, keys: int = 300) -> None:
 
 def cold_batched_decode(rows: int = 64, keys: int = 300, layers: int = 30) -> None:
     """As batched_decode, over `layers` caches in turn (~430 MiB in float16): each call finds its keys in
-    memory, not in the L3 cache, as in an engine step. A kernel change that wins above can lose here: one
-    that loaded each float16 key once for its 3 query heads ran 1.3x faster above and 1.5x slower here."""
+    memory, not in the L3 cache, as in an engine step. A kernel change that wins above can lose here: on the
+    Zen 5 VM, one that loaded each float16 key once for its 3 query heads ran 1.3x faster above and 1.5x
+    slower here; on the Xeon VM the grouped kernel now built (attention_grouped.h, accumulators in
+    registers) runs 0.82 -> 0.61 ms above and 1.14 -> 1.07 here (benchmarks/NOTES.md, fourteenth session)."""
     per = -(-keys // BS)
     table = torch.randperm(rows * per).reshape(rows, per)
     pos, seq, q = torch.full((rows,), keys - 1), torch.arange(rows), torch.randn(rows, H, D)

@@ -274,12 +274,14 @@ def test_paged_attention_matches_reference(window, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, F16_KV])
-def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype):
+@pytest.mark.parametrize("kv_heads,heads,d", [(3, 9, 64), (1, 5, 128), (2, 16, 64)])
+def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype, kv_heads, heads, d):
     """A row's output is bit-identical whether it is attended alone (split by head across threads) or
-    among many rows (split by row), whatever its length mod 4 (keys are scored four at a time): what
-    keeps speculative verification rows equal to one-row decoding."""
+    among many rows (split by row; AVX-512 builds then take up to 4 query heads of a KV head at once,
+    attention_grouped.h: groups of 3, 4 + 1 and 4 + 4 here), whatever its length mod 4 (keys are scored
+    four at a time): what keeps speculative verification rows equal to one-row decoding."""
     torch.manual_seed(1)
-    block_size, num_blocks, kv_heads, heads, d = 16, 12, 3, 9, 64
+    block_size, num_blocks = 16, 12
     cache = torch.randn(2, num_blocks, block_size, kv_heads, d).to(kv_dtype)
     table = torch.randperm(num_blocks)[:10].reshape(1, 10)
     positions = torch.tensor([3, 17, 18, 19, 20, 64, 101, 150])
@@ -297,7 +299,8 @@ def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype):
     keys = cache[0][table[0]].reshape(-1, kv_heads, d)[:151].float()  # the request's keys in order
     vals = cache[1][table[0]].reshape(-1, kv_heads, d)[:151].float()
     i, p = 6, 101
-    k, v = keys[:p + 1].repeat_interleave(3, dim=1), vals[:p + 1].repeat_interleave(3, dim=1)
+    g = heads // kv_heads
+    k, v = keys[:p + 1].repeat_interleave(g, dim=1), vals[:p + 1].repeat_interleave(g, dim=1)
     want = torch.einsum("hk,khd->hd", torch.softmax(torch.einsum("hd,khd->hk", q[i], k) * 0.125, -1), v)
     torch.testing.assert_close(together[i], want, rtol=1e-5, atol=1e-5)
 

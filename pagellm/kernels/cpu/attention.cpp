@@ -272,6 +272,8 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
 
 }  // namespace
 
+#include "attention_grouped.h"
+
 namespace {
 
 template <typename T>
@@ -283,10 +285,23 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
     // the other threads would idle.
     const bool by_row = T_ >= 2 * nthreads;
     a.prefetch = by_row;
+#ifdef PAGELLM_WIDE_ATTENTION
+    const bool grouped = by_row && groups_heads(a);  // a row's heads of one KV head share each key's loads
+#else
+    const bool grouped = false;
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
-        std::vector<float> scores((size_t)max_keys + 8);
-        if (by_row) {
+        const int64_t stride = max_keys + 8;
+        std::vector<float> scores((size_t)stride * (grouped ? 4 : 1));
+        if (grouped) {
+#ifdef PAGELLM_WIDE_ATTENTION
+            if constexpr (loads16<T>()) {
+#pragma omp for schedule(dynamic, 1)
+                for (int t = 0; t < T_; ++t) attend_row_grouped(a, t, scores.data(), stride);
+            }
+#endif
+        } else if (by_row) {
 #pragma omp for schedule(dynamic, 1)
             for (int t = 0; t < T_; ++t)
                 for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data());

@@ -1,0 +1,124 @@
+// Decode attention for up to 4 query heads of one KV head at once (GQA): each key and value row is loaded and
+// converted once for the group instead of once per query head. Every (row, head, key) gets exactly the
+// operations of attention.cpp's per-head path (dot4_16's products and reduction, weighted_values16's
+// accumulation, the same softmax), so the two paths give the same bits and a step's results do not depend
+// on which one ran. float32 and float16 caches, D of 64 or 128; included by attention.cpp after its helpers.
+#pragma once
+
+#ifdef PAGELLM_WIDE_ATTENTION
+namespace {
+
+// Scores of NG heads (queries q[h], D floats each) against keys first..pos: scores[h][i], times scale.
+// D a template argument, so that the NG x 4 accumulators stay in registers.
+template <int NG, int D, typename T>
+inline void group_scores(const AttentionArgs<T>& a, const HeadView& h, const T* keys, const float* const* q,
+                         float* const* scores) {
+    const T* k[4];
+    int filled = 0;
+    int64_t start = 0;
+    auto flush = [&]() {
+        for (int i = filled; i < 4; ++i) k[i] = k[filled - 1];  // padding: recomputed, not stored
+        __m512 acc[NG][4], kv[4];
+        for (int j = 0; j < 4; ++j) kv[j] = load16(k[j]);
+        for (int g = 0; g < NG; ++g) {  // the first chunk a product, as dot4_16 (the same bits)
+            const __m512 qv = _mm512_loadu_ps(q[g]);
+            for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_mul_ps(qv, kv[j]);
+        }
+#pragma GCC unroll 8
+        for (int d = 16; d < D; d += 16) {
+            for (int j = 0; j < 4; ++j) kv[j] = load16(k[j] + d);
+            for (int g = 0; g < NG; ++g) {
+                const __m512 qv = _mm512_loadu_ps(q[g] + d);
+                for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(qv, kv[j], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < NG; ++g) {
+            const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(fold16(acc[g][0]), fold16(acc[g][1])),
+                                            _mm256_hadd_ps(fold16(acc[g][2]), fold16(acc[g][3])));
+            const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+            float out[4];
+            _mm_storeu_ps(out, _mm_mul_ps(dots, _mm_set1_ps(a.scale)));
+            std::memcpy(scores[g] + start, out, sizeof(float) * filled);
+        }
+        start += filled;
+        filled = 0;
+    };
+    for_each_key(a, h.table, h.first, h.pos, [&](int64_t, int64_t off) {
+        k[filled++] = keys + off;
+        if (filled == 4) flush();
+    }, keys);
+    if (filled) flush();
+}
+
+// Softmax numerators in place; returns 1 / their sum (attend_head's steps).
+inline float softmax_in_place(float* s, int64_t n) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (; i < n; ++i) mx = std::max(mx, s[i]);
+    return 1.f / softmax_numerators(s, n, mx);
+}
+
+// out[g][d0, d0 + 64) = sum_i p[g][i] v_i / sum, for NG heads, each value chunk converted once.
+template <int NG, typename T>
+inline void group_values(const AttentionArgs<T>& a, const HeadView& h, const T* values, int d0,
+                         float* const* p, const float* inv_sum, float* const* out) {
+    __m512 acc[NG][4];
+    for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+    for_each_key(a, h.table, h.first, h.pos, [&](int64_t i, int64_t off) {
+        __m512 v[4];
+        for (int c = 0; c < 4; ++c) v[c] = load16(values + off + d0 + 16 * c);
+        for (int g = 0; g < NG; ++g) {
+            const __m512 w = _mm512_set1_ps(p[g][i]);
+            for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+        }
+    }, values);
+    for (int g = 0; g < NG; ++g)
+        for (int c = 0; c < 4; ++c)
+            _mm512_storeu_ps(out[g] + d0 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
+}
+
+// Query row t, query heads head0 .. head0 + NG - 1 (one KV head's): scores[g] holds room for the row's keys.
+template <int NG, typename T>
+void attend_group(const AttentionArgs<T>& a, int t, int head0, float* const* scores) {
+    const HeadView h = head_view(a, t, head0);
+    const float* q[NG];
+    float* out[NG];
+    float inv_sum[NG];
+    for (int g = 0; g < NG; ++g) q[g] = h.q + (int64_t)g * a.D, out[g] = h.out + (int64_t)g * a.D;
+    if (a.D == 64)
+        group_scores<NG, 64>(a, h, a.kv + h.kv_off, q, scores);
+    else
+        group_scores<NG, 128>(a, h, a.kv + h.kv_off, q, scores);
+    for (int g = 0; g < NG; ++g) inv_sum[g] = softmax_in_place(scores[g], h.n);
+    for (int d0 = 0; d0 < a.D; d0 += 64) group_values<NG>(a, h, a.kv + a.plane + h.kv_off, d0, scores, inv_sum, out);
+}
+
+// Whether attend_group takes this format and shape.
+template <typename T>
+inline bool groups_heads(const AttentionArgs<T>& a) {
+    return loads16<T>() && (a.D == 64 || a.D == 128) && a.G > 1;
+}
+
+// All query heads of row t, up to 4 of one KV head at a time.
+template <typename T>
+void attend_row_grouped(const AttentionArgs<T>& a, int t, float* scores, int64_t stride) {
+    float* s[4] = {scores, scores + stride, scores + 2 * stride, scores + 3 * stride};
+    for (int kv = 0; kv < a.KV; ++kv) {
+        for (int h0 = kv * a.G; h0 < (kv + 1) * a.G; h0 += 4) {
+            switch (std::min(4, (kv + 1) * a.G - h0)) {
+                case 4: attend_group<4>(a, t, h0, s); break;
+                case 3: attend_group<3>(a, t, h0, s); break;
+                case 2: attend_group<2>(a, t, h0, s); break;
+                default: attend_group<1>(a, t, h0, s); break;
+            }
+        }
+    }
+}
+
+}  // namespace
+#endif
