@@ -60,8 +60,8 @@ SIGNATURES = {
     "pagellm_q8_1_16_linear": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
     # kind code, int8 activations, then as pagellm_q4_1_linear (m may be NULL)
     "pagellm_packed_linear": ([_i32, _i32, _p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], None),
-    # x, ldx, x is bf16, M, K, tile-order codes, d, m, N, y, ldy, y is bf16, threads (cpu/quant_linear_amx.cpp)
-    "pagellm_q4_1_linear_amx": ([_p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32, _i32], _i32),
+    # kind, x, ldx, x is bf16, M, K, tile-order codes, d, m, N, y, ldy, y is bf16, threads (quant_linear_amx.cpp)
+    "pagellm_packed_linear_amx": ([_i32, _p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32, _i32], _i32),
     "pagellm_amx_ready": ([], _i32),
     "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p, _i32], _i32),
     "pagellm_paged_attention": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _p, _p, _i32, _f32,

@@ -141,11 +141,12 @@ class GGUFBlocksLinearMethod(LinearMethod):
     def pack_amx(self, layer) -> None:
         """The blocks in AMX tile order where the platform chose AMX products and the kernel takes the kind."""
         use = self.choices.amx_max_rows and layer.packed is not None and amx.packs(layer.packed)
-        layer.amx_q4 = amx.pack_q4_1(layer.packed) if use else None
+        layer.amx_blocks = amx.pack(layer.packed) if use else None
 
     def amx_rows(self, layer, rows: int) -> bool:
         """Whether a many-row product of this many rows runs on AMX tiles over the blocks."""
-        return getattr(layer, "amx_q4", None) is not None and path_rows(rows, self.choices) <= self.choices.amx_max_rows
+        tiled = getattr(layer, "amx_blocks", None) is not None
+        return tiled and path_rows(rows, self.choices) <= self.choices.amx_max_rows
 
     def reads_blocks(self, packed: PackedWeight) -> bool:
         return self.choices.packed_kernels and ops.kernel_reads(packed)
@@ -167,7 +168,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
         few = self.few_rows(layer, x.shape[0])
         if not few and self.amx_rows(layer, x.shape[0]):  # as bf16_matmul: bf16 out where it feeds a bf16 op
             bf16_out = layer.bf16_out and layer.bias is None
-            y = amx.q4_1_linear(x, layer.amx_q4, torch.bfloat16 if bf16_out else torch.float32)
+            y = amx.linear(x, layer.amx_blocks, torch.bfloat16 if bf16_out else torch.float32)
             return y if layer.bias is None else y.add_(layer.bias)
         if layer.weight_bf16 is not None and not few:
             return self.bf16_matmul(layer, x)

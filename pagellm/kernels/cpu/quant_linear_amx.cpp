@@ -1,15 +1,16 @@
-// Many-row products over q4_1 blocks on AMX bf16 tiles (Intel Sapphire Rapids and later): each 16-column x
-// 32-weight block group is dequantized straight into a B tile's pair-interleaved (VNNI) layout, in bf16,
-// and multiplied against bf16 rows of x with float32 accumulation. The weights are the same bf16 values as
-// the bf16 copy the oneDNN path multiplies (w = d * q + m in float32, rounded to nearest even), so the
-// products match that path up to summation order, while reading 0.8 bytes per weight instead of 2: decode
-// steps of 13-64 rows stream every weight once and wait on memory (benchmarks/NOTES.md, fourteenth session).
+// Many-row products over q4_1 and q8_0 blocks on AMX bf16 tiles (Intel Sapphire Rapids and later): each
+// 16-column x 32-weight block group is dequantized straight into a B tile's pair-interleaved (VNNI) layout,
+// in bf16, and multiplied against bf16 rows of x with float32 accumulation. The weights are the same bf16
+// values as the bf16 copy the oneDNN path multiplies (w = d * q + m in float32, rounded to nearest even),
+// so the products match that path up to summation order, while reading 0.8 (q4_1) or 1.1 (q8_0) bytes per
+// weight instead of 2: decode steps of 13-64 rows stream every weight once and wait on memory
+// (benchmarks/NOTES.md, fourteenth session).
 //
 // Codes come in the tile order pagellm/kernels/amx.py packs them: per strip of 32 output columns, block of
-// 32 inputs and group of 16 columns (in that order: a product reads them front to back), 16 rows of 16
-// bytes; row r's byte i holds lane i (low nibble) and lane 16 + i (high), lane L being column L / 2, input
-// 2 r + L % 2 of the block (one B tile row: 16 columns x one input pair); d and m in the same order, 16
-// floats in column order.
+// 32 inputs and group of 16 columns (in that order: a product reads them front to back), 16 rows (one B tile
+// row each: 16 columns x one input pair, lane L being column L / 2, input 2 r + L % 2 of the block) of 16
+// bytes for q4_1 (byte i: lane i in the low nibble, lane 16 + i in the high one) or 32 for q8_0 (lane L's
+// byte at L); d and m in the same order, 16 floats in column order.
 #include <cstdint>
 #include <cstring>
 
@@ -41,12 +42,27 @@ void configure_tiles() {
     _tile_loadconfig(&c);
 }
 
-// One B tile (16 rows x 32 bf16) from a group's block: codes 256 bytes, d and m 16 floats each.
+// Code bytes per group of 16 columns and block of 32 inputs: q4_1 nibbles, q8_0 bytes.
+template <bool Q8>
+constexpr int64_t TILE_CODES = Q8 ? 512 : 256;
+
+// One B tile (16 rows x 32 bf16) from a group's block: codes TILE_CODES<Q8> bytes, d (and q4_1's m) 16 floats.
+template <bool Q8>
 inline void dequantize_tile(const uint8_t* codes, const float* d, const float* m, uint16_t* tile) {
     alignas(64) static const int lo_cols[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
     const __m512i lo_idx = _mm512_load_si512(lo_cols), hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    const __m512 dv = _mm512_loadu_ps(d), mv = _mm512_loadu_ps(m);
+    const __m512 dv = _mm512_loadu_ps(d);
     const __m512 dlo = _mm512_permutexvar_ps(lo_idx, dv), dhi = _mm512_permutexvar_ps(hi_idx, dv);
+    if constexpr (Q8) {  // w = d * q: exact in float32 (an 11-bit scale times 8 bits), then rounded to bf16
+        for (int r = 0; r < 16; ++r) {
+            const auto* row = reinterpret_cast<const __m128i*>(codes + 32 * r);  // lanes 0-15, then 16-31
+            const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))), dlo);
+            const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))), dhi);
+            _mm512_store_si512(tile + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        return;
+    }
+    const __m512 mv = _mm512_loadu_ps(m);
     const __m512 mlo = _mm512_permutexvar_ps(lo_idx, mv), mhi = _mm512_permutexvar_ps(hi_idx, mv);
     const __m512i low4 = _mm512_set1_epi32(15);
     for (int r = 0; r < 16; ++r) {
@@ -59,12 +75,15 @@ inline void dequantize_tile(const uint8_t* codes, const float* d, const float* m
 }
 
 // Both groups' block b of strip s into tiles[b] (2 x 512 bf16).
+template <bool Q8>
 inline void dequantize_block(const uint8_t* codes, const float* d, const float* m, int s, int nb, int b,
                              uint16_t* tiles) {
     for (int g = 0; g < 2; ++g) {
         const int64_t at = ((int64_t)s * nb + b) * 2 + g;
-        _mm_prefetch(reinterpret_cast<const char*>(codes + at * 256) + 4096, _MM_HINT_T0);
-        dequantize_tile(codes + at * 256, d + at * 16, m + at * 16, tiles + ((int64_t)b * 2 + g) * 512);
+        const uint8_t* c = codes + at * TILE_CODES<Q8>;
+        _mm_prefetch(reinterpret_cast<const char*>(c) + 4096, _MM_HINT_T0);
+        if constexpr (Q8) _mm_prefetch(reinterpret_cast<const char*>(c) + 4096 + 256, _MM_HINT_T0);
+        dequantize_tile<Q8>(c, d + at * 16, Q8 ? nullptr : m + at * 16, tiles + ((int64_t)b * 2 + g) * 512);
     }
 }
 
@@ -87,19 +106,20 @@ inline void store_rows(const float* c, int ldc, int rows, int w, void* out, int6
 // One strip of 32 columns: 32-row chunks of xb through its blocks, dequantized into `tiles` (nb x 2 B tiles)
 // as the first chunk reaches them, one block ahead of the products so that the tile loads do not wait on
 // the stores just made; later chunks reuse them. out: float32 or bf16 rows of N (row stride ldy).
+template <bool Q8>
 void strip(const uint16_t* xb, int Mpad, int K, const uint8_t* codes, const float* d, const float* m, int s,
            void* out, int64_t ldy, bool out_bf16, int M, uint16_t* tiles, float* c) {
     const int nb = K / 32;
     const int64_t ldx = (int64_t)K * 2;
     for (int r0 = 0; r0 < Mpad; r0 += 32) {
         const bool first = r0 == 0, two = Mpad - r0 >= 32;
-        if (first) dequantize_block(codes, d, m, s, nb, 0, tiles);
+        if (first) dequantize_block<Q8>(codes, d, m, s, nb, 0, tiles);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int b = 0; b < nb; ++b) {
-            if (first && b + 1 < nb) dequantize_block(codes, d, m, s, nb, b + 1, tiles);
+            if (first && b + 1 < nb) dequantize_block<Q8>(codes, d, m, s, nb, b + 1, tiles);
             _tile_loadd(4, xb + (int64_t)r0 * K + b * 32, ldx);
             _tile_loadd(6, tiles + (int64_t)b * 1024, 64);
             _tile_loadd(7, tiles + (int64_t)b * 1024 + 512, 64);
@@ -134,14 +154,14 @@ extern "C" int pagellm_amx_ready() {
 #endif
 }
 
-// y[M, N] = x[M, K] @ W^T, W in q4_1 blocks packed in tile order (above). x: float32 (x_bf16 0) or bf16 rows
-// with stride ldx elements; y: float32 or bf16 (y_bf16) rows with stride ldy. N % 32 == 0, K % 32 == 0.
-// Returns 0, or -1 where the build or the OS has no AMX (the caller takes another path).
-extern "C" int pagellm_q4_1_linear_amx(const void* x, int64_t ldx, int x_bf16, int M, int K, const uint8_t* codes,
-                                       const float* d, const float* m, int N, void* y, int64_t ldy, int y_bf16,
-                                       int nthreads) {
+// y[M, N] = x[M, K] @ W^T, W in q4_1 (kind 0) or q8_0 (kind 1: m NULL) blocks packed in tile order (above).
+// x: float32 (x_bf16 0) or bf16 rows with stride ldx elements; y: float32 or bf16 (y_bf16) rows with stride
+// ldy. N % 32 == 0, K % 32 == 0. Returns 0, or -1 where the build or the OS has no AMX, or for another kind.
+extern "C" int pagellm_packed_linear_amx(int kind, const void* x, int64_t ldx, int x_bf16, int M, int K,
+                                         const uint8_t* codes, const float* d, const float* m, int N, void* y,
+                                         int64_t ldy, int y_bf16, int nthreads) {
 #ifdef PAGELLM_AMX
-    if (!pagellm_amx_ready() || N % 32 || K % 32 || M < 1) return -1;
+    if (!pagellm_amx_ready() || N % 32 || K % 32 || M < 1 || kind < 0 || kind > 1) return -1;
     const int Mpad = (M + 15) / 16 * 16;
     std::vector<uint16_t> xb((size_t)Mpad * K, 0);  // x in bf16, zero rows up to a whole tile
     for (int r = 0; r < M; ++r) {
@@ -159,18 +179,23 @@ extern "C" int pagellm_q4_1_linear_amx(const void* x, int64_t ldx, int x_bf16, i
     nthreads = std::max(1, std::min(nthreads, nstrips));
 #pragma omp parallel num_threads(nthreads)
     {
-        std::vector<uint16_t, std::allocator<uint16_t>> tiles_raw((size_t)K / 32 * 1024 + 32);
-        uint16_t* tiles = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(tiles_raw.data()) + 63) & ~uintptr_t(63));
+        std::vector<uint16_t> tiles_raw((size_t)K / 32 * 1024 + 32);  // a strip's B tiles, 64-byte aligned
+        auto* tiles = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(tiles_raw.data()) + 63) & ~uintptr_t(63));
         alignas(64) float c[32 * 32];  // a chunk's results
         configure_tiles();
 #pragma omp for schedule(static)
-        for (int s = 0; s < nstrips; ++s) strip(xb.data(), Mpad, K, codes, d, m, s, y, ldy, y_bf16, M, tiles, c);
+        for (int s = 0; s < nstrips; ++s) {
+            if (kind == 1)
+                strip<true>(xb.data(), Mpad, K, codes, d, m, s, y, ldy, y_bf16, M, tiles, c);
+            else
+                strip<false>(xb.data(), Mpad, K, codes, d, m, s, y, ldy, y_bf16, M, tiles, c);
+        }
         _tile_release();
     }
     return 0;
 #else
-    (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)codes, (void)d, (void)m, (void)N, (void)y, (void)ldy;
-    (void)y_bf16, (void)nthreads;
+    (void)kind, (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)codes, (void)d, (void)m, (void)N;
+    (void)y, (void)ldy, (void)y_bf16, (void)nthreads;
     return -1;
 #endif
 }

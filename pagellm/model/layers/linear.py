@@ -23,7 +23,7 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self, in_features, out_features, bias)
         self.packed: PackedWeight | None = None
         self.weight_bf16: torch.Tensor | None = None  # [out, in], where the platform chose bf16 GEMMs
-        self.amx_q4 = None  # q4_1 blocks in AMX tile order (kernels/amx.py), where the platform chose AMX products
+        self.amx_blocks = None  # q4_1/q8_0 blocks in AMX tile order (kernels/amx.py) where the platform chose AMX
         self.bf16_out = False  # bf16 products return bfloat16 (set by a module whose next product takes it)
         self._packed_shards: dict[int, PackedWeight] = {}
         self.reduce = None  # row-parallel (tensor parallelism): the all-reduce that sums the ranks' parts
@@ -67,13 +67,13 @@ class Linear(nn.Module):
             self.weight_bf16 = None if bf is None else bf[:, a:b].contiguous()
             self.packed = None if packed is None else packed.columns(a, b)
             self.in_features, self.reduce = b - a, reduce
-        if self.amx_q4 is not None:  # the tile order of the cut blocks
+        if self.amx_blocks is not None:  # the tile order of the cut blocks
             self.quant_method.pack_amx(self)
 
     def drop_weights(self) -> None:
         """Another pipeline stage computes with this layer: free every copy."""
         self.weight_t.data = torch.empty(0, 0)
-        self.weight_bf16 = self.packed = self.amx_q4 = None
+        self.weight_bf16 = self.packed = self.amx_blocks = None
 
     def bf16_rows(self, rows: int) -> bool:
         return self.quant_method.bf16_rows(self, rows)
