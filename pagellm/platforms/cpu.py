@@ -42,6 +42,10 @@ INT8_PACKED_MAX_ROWS = 12
 # the Xeon VM, cold weights (benchmarks/microbench_amx.py): 1.5x at 8-32 rows, 1.3x at 40-48, ~1.2x at 64;
 # past that the products wait on the tiles, not on memory, and oneDNN's blocking wins (0.5-0.9x at 128-256).
 AMX_MAX_ROWS = 64
+# With AMX products past them, the few-row kernels keep steps of at most this many rows (int8 activations or
+# not): whole decode steps under auto on the Xeon VM (benchmarks/few_rows_steps.py BATCH LIMITS, wall s of three
+# runs) packed vs AMX: batch 4 2.27 vs 2.7, 6 2.9 vs 3.0, 8 3.07 vs 3.04, 10 3.8-4.5 vs 3.3-3.5, 12 4.1-4.4 vs 3.5.
+AMX_PACKED_MAX_ROWS = 6
 
 # `pagellm info`'s words for each bf16_prefill_attention choice
 PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto, else torch SDPA",
@@ -146,13 +150,18 @@ class CpuPlatform(Platform):
             mode = ops.INT8_FINE if auto and self.fine_int8_activations else ops.INT8_OFF
         else:
             mode = ops.INT8 if int8_activations else ops.INT8_OFF
+        amx = bf16 and native and self.amx_tiles
+        if not bf16:
+            few_rows = None
+        elif amx:
+            few_rows = AMX_PACKED_MAX_ROWS
+        else:
+            few_rows = INT8_PACKED_MAX_ROWS if native and mode else BF16_PACKED_MAX_ROWS
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,
                          int8_activations=mode if native else ops.INT8_OFF,
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
-                         packed_max_rows=(INT8_PACKED_MAX_ROWS if native and mode else BF16_PACKED_MAX_ROWS)
-                         if bf16 else None,
-                         bf16_prepacked=bf16 and torch.backends.mkldnn.is_available(),
-                         amx_max_rows=AMX_MAX_ROWS if bf16 and native and self.amx_tiles else 0)
+                         packed_max_rows=few_rows, bf16_prepacked=bf16 and torch.backends.mkldnn.is_available(),
+                         amx_max_rows=AMX_MAX_ROWS if amx else 0)
 
     @property
     def amx_tiles(self) -> bool:
