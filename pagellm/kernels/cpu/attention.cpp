@@ -79,6 +79,18 @@ inline float softmax_numerators(float* p, int64_t n, float max) {
     return sum;
 }
 
+// Scores to softmax numerators in place (their maximum subtracted); returns 1 / their sum.
+inline float softmax_in_place(float* s, int64_t n) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (; i < n; ++i) mx = std::max(mx, s[i]);
+    return 1.f / softmax_numerators(s, n, mx);
+}
+
 }  // namespace
 #else
 namespace {
@@ -210,14 +222,7 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
         if (filled == 4) flush();
     }, keys);
     if (filled) flush();
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + i));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    for (; i < n; ++i) mx = std::max(mx, scores[i]);
-    const float inv_sum = 1.f / softmax_numerators(scores, n, mx);
+    const float inv_sum = softmax_in_place(scores, n);
     const T* values = a.kv + a.plane + h.kv_off;
     float* o = h.out;
 #ifdef PAGELLM_WIDE_ATTENTION

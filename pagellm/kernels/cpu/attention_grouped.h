@@ -50,18 +50,6 @@ inline void group_scores(const AttentionArgs<T>& a, const HeadView& h, const T* 
     if (filled) flush();
 }
 
-// Softmax numerators in place; returns 1 / their sum (attend_head's steps).
-inline float softmax_in_place(float* s, int64_t n) {
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + i));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    for (; i < n; ++i) mx = std::max(mx, s[i]);
-    return 1.f / softmax_numerators(s, n, mx);
-}
-
 // out[g][d0, d0 + 64) = sum_i p[g][i] v_i / sum, for NG heads, each value chunk converted once.
 template <int NG, typename T>
 inline void group_values(const AttentionArgs<T>& a, const HeadView& h, const T* values, int d0,
