@@ -49,6 +49,7 @@ void configure_tiles() {
 // Code bytes per group of 16 columns and block of 32 inputs: q4_1 nibbles, q8_0 bytes.
 template <bool Q8>
 constexpr int64_t TILE_CODES = Q8 ? 512 : 256;
+constexpr int64_t PREFETCH_TILES = 16;  // how far ahead a product asks for the weights
 
 // One B tile (16 rows x 32 bf16) from a group's block: codes TILE_CODES<Q8> bytes, d (and q4_1's m) 16 floats.
 template <bool Q8>
@@ -85,8 +86,12 @@ inline void dequantize_block(const uint8_t* codes, const float* d, const float* 
     for (int g = 0; g < 2; ++g) {
         const int64_t at = ((int64_t)s * nb + b) * 2 + g;
         const uint8_t* c = codes + at * TILE_CODES<Q8>;
-        _mm_prefetch(reinterpret_cast<const char*>(c) + 4096, _MM_HINT_T0);
-        if constexpr (Q8) _mm_prefetch(reinterpret_cast<const char*>(c) + 4096 + 256, _MM_HINT_T0);
+        // every line of the tile PREFETCH_TILES ahead, and of its scales (and minimums): the weights stream
+        // from memory once per product
+        for (int64_t line = 0; line < TILE_CODES<Q8>; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(c + PREFETCH_TILES * TILE_CODES<Q8> + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(d + (at + PREFETCH_TILES) * 16), _MM_HINT_T0);
+        if constexpr (!Q8) _mm_prefetch(reinterpret_cast<const char*>(m + (at + PREFETCH_TILES) * 16), _MM_HINT_T0);
         dequantize_tile<Q8>(c, d + at * 16, Q8 ? nullptr : m + at * 16, tiles + ((int64_t)b * 2 + g) * 512);
     }
 }
