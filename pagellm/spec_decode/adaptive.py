@@ -16,9 +16,10 @@ A batch size's first step runs plain and its next one with every draft (so both 
 after that, one step in EXPLORE_EVERY drafts everything proposed and another drafts nothing, so the
 estimates follow the text and the context length. That bounds the cost of a wrong estimate to about one
 step in EXPLORE_EVERY. Where an exploration finds that drafts still do not pay at its batch size, that
-batch size explores half as often (down to one plan in MAX_EXPLORE_EVERY), and back at EXPLORE_EVERY once
-drafts pay again: an all-drafts step can cost several plain ones (on the Xeon VM a 20-row verification
-step of 4 requests costs ~3 plain 4-row steps, and exploring every 16th step alone lost 6% at batch 4).
+batch size explores half as often (down to one plan in MAX_EXPLORE_EVERY), with one draft per request
+instead of all, and back at EXPLORE_EVERY once drafts pay again: an all-drafts step can cost several plain
+ones (on the Xeon VM a 20-row verification step of 4 requests costs ~3 plain 4-row steps, and exploring
+every 16th step alone lost 6% at batch 4; with the back-off and all drafts still ~4%).
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class SpeculationController:
         if phase == 0 or not any(r > batch_rows for r in self.step_cost):
             if phase == 0 and self.kept.get(batch_rows) == 0:  # drafts lost since the last exploration
                 self.every[batch_rows] = min(2 * every, MAX_EXPLORE_EVERY)
+                # probe with one draft per request: it refreshes the first drafts' acceptance, which every
+                # further draft's value rests on, for a fraction of an all-drafts step's cost
+                return {rid: min(k, 1) for rid, k in proposals.items()}
             return dict(proposals)  # measure a step with every draft (and the acceptance rates)
         marginal = sorted((v, rid) for rid, k in proposals.items() for v in self.draft_values(rid, k))
         marginal.reverse()
