@@ -132,3 +132,37 @@ def test_engine_decodes_on_amx_tiles_within_the_auto_bounds(smollm_gguf_path, mo
     diffs = agreeing_logprob_diffs([o.outputs[0] for o in a], [o.outputs[0] for o in b], AUTO_WIDE_MARGIN)
     assert len(diffs) >= 150
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
+
+
+@needs_amx
+@pytest.mark.slow
+def test_native_decoder_runs_amx_steps_as_the_module_path(smollm_gguf_path):
+    """The one-call decoder takes the steps between the few-row kernels' limit and AMX_MAX_ROWS with the module
+    path's bf16 chain (AMX products with bf16 outputs, rope_bf16, add_bf16_rmsnorm, silu_mul_bf16), op for op:
+    the same logits with it and without it."""
+    import pagellm.platforms.cpu as cpu
+    from pagellm import LLM, SamplingParams
+
+    llm = LLM(smollm_gguf_path, dtype="auto")
+    runner = llm.engine.runner
+    compiled = runner.compiled_decoder
+    assert compiled is not None and compiled.amx_max_rows == cpu.AMX_MAX_ROWS
+    amx_steps = []
+    forward = compiled.forward
+
+    def counting(*args):
+        amx_steps.append(compiled.amx_step)
+        return forward(*args)
+
+    compiled.forward = counting
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(10)]  # <= 16 tokens each: prefill too
+    runner.compiled_decoder = compiled
+    with_native = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(amx_steps) >= 10  # the prefill step and the decode steps of 10 rows
+    runner.compiled_decoder = None
+    llm.reset_prefix_cache()
+    without = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(with_native, without, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -1,6 +1,8 @@
 """One native call for a whole few-row forward (decode / verification steps) of a Llama-family model
 whose matmuls are all packed. Same kernels and order as the module-by-module native path in
-pagellm/model/models/llama.py (tests check they agree); it only removes the Python between them.
+pagellm/model/models/llama.py (tests check they agree); it only removes the Python between them. Under
+`--dtype auto` with AMX tiles it also serves the steps the layers give to the AMX products (up to
+`OpChoices.amx_max_rows` rows), with the module path's bf16 chain.
 The CPU platform builds it and the model runner owns it; the model is read duck-typed (layers,
 norms, rotary tables, Linear.packed), not imported."""
 
@@ -20,7 +22,7 @@ _p = ctypes.c_void_p
 
 class PackedMatrix(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("out_features", ctypes.c_int32), ("in_features", ctypes.c_int32),
-                ("qs", _p), ("d", _p), ("m", _p), ("bias", _p)]
+                ("qs", _p), ("d", _p), ("m", _p), ("bias", _p), ("amx_codes", _p), ("amx_d", _p), ("amx_m", _p)]
 
 
 class DecoderLayer(ctypes.Structure):
@@ -31,14 +33,15 @@ class DecoderLayer(ctypes.Structure):
 class DecoderDims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int32), ("heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32),
                 ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32), ("window", ctypes.c_int32),
-                ("int8_activations", ctypes.c_int32), ("kv_format", ctypes.c_int32),
+                ("int8_activations", ctypes.c_int32), ("kv_format", ctypes.c_int32), ("amx_step", ctypes.c_int32),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("rope_cos", _p), ("rope_sin", _p)]
 
 
 def _matrix(linear) -> PackedMatrix:
-    w = linear.packed
+    w, tiles = linear.packed, getattr(linear, "amx_blocks", None)
+    amx = (None, None, None) if tiles is None else (tiles.codes.data_ptr(), tiles.d.data_ptr(), ptr(tiles.m))
     return PackedMatrix(KIND_CODES[w.kind], w.out_features, w.in_features, w.qs.data_ptr(),
-                        w.d.data_ptr(), ptr(w.m), ptr(linear.bias))
+                        w.d.data_ptr(), ptr(w.m), ptr(linear.bias), *amx)
 
 
 class NativeDecoder:
@@ -50,20 +53,27 @@ class NativeDecoder:
     max_rows_per_request = PAGED_ATTENTION_MAX_QUERIES
 
     def serves(self, num_rows: int, query_start_loc: list[int]) -> bool:
-        """Whether this step (its row count, each request's new rows) runs here."""
-        return num_rows <= self.max_rows and all(b - a <= self.max_rows_per_request
-                                                 for a, b in itertools.pairwise(query_start_loc))
+        """Whether this step (its row count without drafts, each request's new rows) runs here; the next
+        forward() then takes the AMX chain when the rows are past the few-row kernels' limit."""
+        self.amx_step = self.max_rows < num_rows <= self.amx_max_rows
+        return (num_rows <= self.max_rows or self.amx_step) and all(
+            b - a <= self.max_rows_per_request for a, b in itertools.pairwise(query_start_loc))
 
     def __init__(self, model):
         cfg = model.config
         self.fn = library().pagellm_decoder_forward
         self.model = model
-        # as many rows as the layers' own few-row limit (fewer where the platform chose bf16 GEMMs)
-        self.max_rows = model.layers[0].mlp.gate_up_proj.quant_method.max_rows
+        # as many rows as the layers' own few-row limit (fewer where the platform chose bf16 GEMMs), and
+        # under auto with AMX tiles the steps the layers give to the AMX products too (the module path's
+        # bf16 chain, op for op), where every layer has its blocks in tile order and no bias
+        method = model.layers[0].mlp.gate_up_proj.quant_method
+        self.max_rows = method.max_rows
+        self.amx_max_rows = method.choices.amx_max_rows if self._all_tiled(model) else 0
+        self.amx_step = False
         attn0 = model.layers[0].self_attn
         self.dims = DecoderDims(cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                                 cfg.intermediate_size, cfg.sliding_window or 0,
-                                int(model.layers[0].mlp.gate_up_proj.int8_activations), 0, model.norm.eps,
+                                int(model.layers[0].mlp.gate_up_proj.int8_activations), 0, 0, model.norm.eps,
                                 attn0.scale,
                                 model.rotary.cos.data_ptr(), model.rotary.sin.data_ptr())
         self.layers = (DecoderLayer * len(model.layers))(*[
@@ -75,9 +85,17 @@ class NativeDecoder:
         self._kv_ptrs = None
 
     @staticmethod
+    def _linears(model) -> list:
+        return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+    @staticmethod
+    def _all_tiled(model) -> bool:
+        return all(getattr(m, "amx_blocks", None) is not None and m.bias is None for m in NativeDecoder._linears(model))
+
+    @staticmethod
     def supports(model) -> bool:
-        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        linears = NativeDecoder._linears(model)
         # (W8A8 FP8 layers round their inputs to e4m3 first, which only the module path does)
         return cpu_kernels() is not None and all(m.packed is not None and m.packed.perm is None
                                                  and not m.packed.act_fp8 for m in linears) and \
@@ -89,6 +107,7 @@ class NativeDecoder:
         if key != self._kv_key:
             self._kv_key, self._kv_ptrs = key, (ctypes.c_void_p * len(key))(*key)
         self.dims.kv_format = kv_format_code(kv_caches[0].dtype)  # per call: a new cache may reuse addresses
+        self.dims.amx_step = int(self.amx_step)
         x = self.model.embed(input_ids).contiguous()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         tables = meta.block_tables
@@ -97,5 +116,5 @@ class NativeDecoder:
                      meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), meta.row_seq.data_ptr(),
                      torch.get_num_threads())
         if rc:
-            raise ValueError("native decoder: unsupported attention shape")
+            raise ValueError("native decoder: unsupported attention shape, or no AMX tiles for an AMX step")
         return x

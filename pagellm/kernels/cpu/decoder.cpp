@@ -1,6 +1,8 @@
 // A whole decoder forward for a few rows (decode and verification steps) in one call: the same kernels
 // the Python modules call one by one (pagellm/model/models/llama.py), in the same order, without
-// ~300 Python-level calls per token. Used only when every matmul of the model is packed.
+// ~300 Python-level calls per token. Used only when every matmul of the model is packed. Steps past the
+// few-row kernels' limit under `--dtype auto` with AMX tiles (amx_step) run the module path's bf16 chain
+// instead: AMX products with bf16 outputs, rope_bf16, add_bf16_rmsnorm, silu_mul_bf16.
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -14,6 +16,13 @@ void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, f
 void pagellm_rope(float* x, int64_t ldx, int T, int heads, int D, const float* cos_table, const float* sin_table,
                   const int64_t* positions, int nthreads);
 void pagellm_silu_mul(const float* gate_up, int T, int I, float* out, int nthreads);
+void pagellm_silu_mul_bf16(const uint16_t* gate_up, int T, int I, uint16_t* out, int nthreads);
+void pagellm_add_bf16_rmsnorm(const uint16_t* x, float* residual, const float* weight, float* out, int T, int C,
+                              float eps, int nthreads);
+void pagellm_rope_bf16(const uint16_t* x, int64_t ldx, float* out, int64_t ldo, int T, int C, int heads, int D,
+                       const float* cos_table, const float* sin_table, const int64_t* positions, int nthreads);
+int pagellm_packed_linear_amx(int kind, const void* x, int64_t ldx, int x_bf16, int M, int K, const uint8_t* codes,
+                              const float* d, const float* m, int N, void* y, int64_t ldy, int y_bf16, int nthreads);
 int pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D, void* kv,
                      int64_t num_blocks, int block_size, const int64_t* slots, int kv_format);
 int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const void* kv, int64_t num_blocks,
@@ -30,6 +39,10 @@ struct PackedMatrix {
     const float* d;
     const float* m;
     const float* bias;  // may be null
+    // the blocks in AMX tile order (pagellm/kernels/amx.py), or null: kind 0 q4_1, 1 q8_0
+    const uint8_t* amx_codes;
+    const float* amx_d;
+    const float* amx_m;
 };
 
 struct DecoderLayer {
@@ -42,6 +55,7 @@ struct DecoderDims {
     int32_t hidden, heads, kv_heads, head_dim, intermediate, window;
     int32_t int8_activations;  // 0, or int8 x per 32-block in the matmuls (1, or 2: two planes; quant_linear.cpp)
     int32_t kv_format;  // the KV cache's element format (KvFormat, kv_format.h)
+    int32_t amx_step;  // 1: this step takes the AMX products and the bf16 chain (set per call)
     float eps, scale;
     const float* rope_cos;
     const float* rope_sin;
@@ -55,6 +69,51 @@ static void matmul(const PackedMatrix& w, const float* x, int T, float* y, int i
             for (int i = 0; i < w.out_features; ++i) y[(int64_t)t * w.out_features + i] += w.bias[i];
 }
 
+// The AMX product x (float32, or bf16 with x_bf16) @ W^T -> bf16 y: the module path's amx.linear for a layer
+// whose output feeds a bf16 op (Linear.bf16_out).
+static int amx_matmul(const PackedMatrix& w, const void* x, bool x_bf16, int T, uint16_t* y, int nthreads) {
+    return pagellm_packed_linear_amx(w.kind, x, w.in_features, x_bf16, T, w.in_features, w.amx_codes, w.amx_d,
+                                     w.amx_m, w.out_features, y, w.out_features, 1, nthreads);
+}
+
+// One AMX step's layers (see the header): h holds the first layer's input norm; returns 0 or an error.
+static int amx_layers(const DecoderDims* dims, const DecoderLayer* layers, int num_layers, void* const* kv_caches,
+                      int64_t num_blocks, int block_size, const float* final_norm, int T, const int64_t* positions,
+                      const int64_t* slots, const int64_t* block_tables, int64_t table_stride,
+                      const int64_t* row_seq, int nthreads, std::vector<float>& residual, std::vector<float>& h) {
+    const int C = dims->hidden, H = dims->heads, KV = dims->kv_heads, D = dims->head_dim, I = dims->intermediate;
+    const int qkv_width = (H + 2 * KV) * D;
+    std::vector<uint16_t> qkv_b((int64_t)T * qkv_width), out_b((int64_t)T * C);
+    std::vector<uint16_t> gate_up_b((int64_t)T * 2 * I), act_b((int64_t)T * I);
+    std::vector<float> qkv((int64_t)T * qkv_width), attn((int64_t)T * H * D);
+    for (int l = 0; l < num_layers; ++l) {
+        const DecoderLayer& L = layers[l];
+        int rc = amx_matmul(L.qkv, h.data(), false, T, qkv_b.data(), nthreads);
+        if (rc) return rc;
+        pagellm_rope_bf16(qkv_b.data(), qkv_width, qkv.data(), qkv_width, T, qkv_width, H + KV, D, dims->rope_cos,
+                          dims->rope_sin, positions, nthreads);
+        const float* k = qkv.data() + H * D;
+        const float* v = k + KV * D;
+        rc = pagellm_write_kv(k, qkv_width, v, qkv_width, T, KV, D, kv_caches[l], num_blocks, block_size, slots,
+                              dims->kv_format);
+        if (!rc)
+            rc = pagellm_paged_attention(qkv.data(), qkv_width, T, H, D, kv_caches[l], num_blocks, block_size, KV,
+                                         block_tables, table_stride, row_seq, positions, dims->window, dims->scale,
+                                         attn.data(), nthreads, dims->kv_format);
+        if (!rc) rc = amx_matmul(L.o, attn.data(), false, T, out_b.data(), nthreads);
+        if (rc) return rc;
+        pagellm_add_bf16_rmsnorm(out_b.data(), residual.data(), L.post_norm, h.data(), T, C, dims->eps, nthreads);
+        rc = amx_matmul(L.gate_up, h.data(), false, T, gate_up_b.data(), nthreads);
+        if (rc) return rc;
+        pagellm_silu_mul_bf16(gate_up_b.data(), T, I, act_b.data(), nthreads);
+        rc = amx_matmul(L.down, act_b.data(), true, T, out_b.data(), nthreads);
+        if (rc) return rc;
+        const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
+        pagellm_add_bf16_rmsnorm(out_b.data(), residual.data(), next_norm, h.data(), T, C, dims->eps, nthreads);
+    }
+    return 0;
+}
+
 // x: [T, hidden] embeddings in, final normed hidden states out (in place). kv_caches: one pointer per
 // layer to [2, num_blocks, block_size, kv_heads, W] in the format kv_format (attention.cpp). Returns 0,
 // or the attention kernel's error.
@@ -66,10 +125,17 @@ extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLay
     const int C = dims->hidden, H = dims->heads, KV = dims->kv_heads, D = dims->head_dim;
     const int qkv_width = (H + 2 * KV) * D;
     const int int8_x = dims->int8_activations;
-    std::vector<float> residual(x, x + (int64_t)T * C), delta((int64_t)T * C), h((int64_t)T * C);
-    std::vector<float> qkv((int64_t)T * qkv_width), attn((int64_t)T * H * D);
-    std::vector<float> gate_up((int64_t)T * 2 * dims->intermediate), act((int64_t)T * dims->intermediate);
+    std::vector<float> residual(x, x + (int64_t)T * C), h((int64_t)T * C);
     pagellm_add_rmsnorm(residual.data(), nullptr, layers[0].input_norm, h.data(), T, C, dims->eps, nthreads);
+    if (dims->amx_step) {
+        const int rc = amx_layers(dims, layers, num_layers, kv_caches, num_blocks, block_size, final_norm, T,
+                                  positions, slots, block_tables, table_stride, row_seq, nthreads, residual, h);
+        if (rc) return rc;
+        std::memcpy(x, h.data(), sizeof(float) * T * C);
+        return 0;
+    }
+    std::vector<float> delta((int64_t)T * C), qkv((int64_t)T * qkv_width), attn((int64_t)T * H * D);
+    std::vector<float> gate_up((int64_t)T * 2 * dims->intermediate), act((int64_t)T * dims->intermediate);
     for (int l = 0; l < num_layers; ++l) {
         const DecoderLayer& L = layers[l];
         matmul(L.qkv, h.data(), T, qkv.data(), int8_x, nthreads);
