@@ -44,8 +44,10 @@ INT8_PACKED_MAX_ROWS = 12
 AMX_MAX_ROWS = 64
 # With AMX products past them, the few-row kernels keep steps of at most this many rows (int8 activations or
 # not): whole decode steps under auto on the Xeon VM (benchmarks/few_rows_steps.py BATCH LIMITS, wall s of three
-# runs) packed vs AMX: batch 4 2.27 vs 2.7, 6 2.9 vs 3.0, 8 3.07 vs 3.04, 10 3.8-4.5 vs 3.3-3.5, 12 4.1-4.4 vs 3.5.
-AMX_PACKED_MAX_ROWS = 6
+# runs), packed vs AMX, both in the one-call decoder: batch 4 2.19-2.32 vs 2.28-2.48, 5 2.7 vs 2.7 (less CPU),
+# 6 2.86-2.97 vs 2.70-2.86 (AMX steps in the module path, before the decoder took them: 8 3.07 vs 3.04, 10
+# 3.8-4.5 vs 3.3-3.5, 12 4.1-4.4 vs 3.5).
+AMX_PACKED_MAX_ROWS = 4
 
 # `pagellm info`'s words for each bf16_prefill_attention choice
 PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto, else torch SDPA",
