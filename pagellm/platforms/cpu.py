@@ -37,10 +37,11 @@ BF16_PACKED_MAX_ROWS = 6
 # weights read at 0.6 bytes where the bf16 GEMM reads 2): whole decode steps on the Xeon VM (AMX) under auto,
 # packed vs bf16 (benchmarks/few_rows_steps.py): 1.25x at 8 rows, 1.15x at 12, even at 16 (NOTES, 13th session).
 INT8_PACKED_MAX_ROWS = 12
-# Under auto with AMX-BF16, many-row products of q4_1 blocks up to this many rows dequantize the blocks into AMX
-# tiles (kernels/amx.py) instead of the oneDNN product on the bf16 copy: one decode step's 120 layer products on
-# the Xeon VM, cold weights (benchmarks/microbench_amx.py): 1.5x at 8-32 rows, 1.3x at 40-48, ~1.2x at 64;
-# past that the products wait on the tiles, not on memory, and oneDNN's blocking wins (0.5-0.9x at 128-256).
+# Under auto with AMX-BF16, many-row products of q4_1 and q8_0 blocks up to this many rows dequantize the blocks
+# into AMX tiles (kernels/amx.py) instead of the oneDNN product on the bf16 copy: one decode step's 120 layer
+# products on the Xeon VM, cold weights (benchmarks/microbench_amx.py): 1.9x at 16 rows, 1.4x at 48, 1.14-1.3x at
+# 64; past that the products wait on the tiles, not on memory, and oneDNN's blocking wins (about even at 128,
+# 0.76x at 256).
 AMX_MAX_ROWS = 64
 # With AMX products past them, the few-row kernels keep steps of at most this many rows (int8 activations or
 # not): whole decode steps under auto on the Xeon VM (benchmarks/few_rows_steps.py BATCH LIMITS, wall s of three

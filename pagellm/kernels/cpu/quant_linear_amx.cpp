@@ -3,7 +3,7 @@
 // in bf16, and multiplied against bf16 rows of x with float32 accumulation. The weights are the same bf16
 // values as the bf16 copy the oneDNN path multiplies (w = d * q + m in float32, rounded to nearest even),
 // so the products match that path up to summation order, while reading 0.8 (q4_1) or 1.1 (q8_0) bytes per
-// weight instead of 2: decode steps of 13-64 rows stream every weight once and wait on memory
+// weight instead of 2: decode steps of 5-64 rows stream every weight once and wait on memory
 // (benchmarks/NOTES.md, fourteenth session).
 //
 // Codes come in the tile order pagellm/kernels/amx.py packs them: per strip of 32 output columns, block of
@@ -228,8 +228,8 @@ extern "C" int pagellm_packed_linear_amx(int kind, const void* x, int64_t ldx, i
 #ifdef PAGELLM_AMX
     if (!pagellm_amx_ready() || N % 32 || K % 32 || M < 1 || kind < 0 || kind > 1) return -1;
     const int Mpad = (M + 15) / 16 * 16;
-    // x in bf16, zero rows up to a whole tile, 64-byte aligned: a tile row split across two cache lines
-    // costs every load twice (64 rows of a gate/up product: 530 -> 200 us on one thread of the Xeon VM)
+    // x in bf16, zero rows up to a whole tile, 64-byte aligned (a tile row split across two cache lines
+    // costs every A tile load twice)
     std::vector<uint16_t> xb_raw((size_t)Mpad * K + 32, 0);
     uint16_t* xb = aligned64(xb_raw.data());
     for (int r = 0; r < M; ++r) {
