@@ -97,9 +97,16 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
 
 def test_platform_chooses_amx_only_under_auto_where_tiles_run(monkeypatch):
     import pagellm.platforms.cpu as cpu
+    from pagellm.kernels.build import build_info
 
     p = get_platform("cpu")
-    assert p.amx_tiles == ("amx_bf16" in p.isa and p.native_kernels and amx.amx_ready())
+    # the tile path is compiled where the compiler targets AMX-TILE/BF16 with AVX-512 BF16 (what -march gave the
+    # kernels), and used only where the CPU reports amx_bf16 and the OS granted the tile state
+    build = build_info() if p.native_kernels else None
+    compiled = build is not None and {"amx_tile", "amx_bf16", "avx512bf16", "avx512bw"} <= set(build["isa"])
+    assert compiled == (build is not None and "amx-bf16-q4" in build["paths"])
+    assert p.amx_tiles == (compiled and "amx_bf16" in p.isa and amx.amx_ready())
+    assert amx.amx_ready() <= compiled
     assert p.op_choices(torch.float32).amx_max_rows == 0  # an explicit float32 stays exact
     assert p.op_choices(torch.float32, auto=True).amx_max_rows == (cpu.AMX_MAX_ROWS if p.amx_tiles else 0)
     monkeypatch.setenv("PAGELLM_CPU_AMX", "0")

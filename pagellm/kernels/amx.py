@@ -40,10 +40,9 @@ class AmxBlocks:
 
 @functools.cache
 def amx_ready() -> bool:
-    """Whether the kernels were built with the AMX path (build feature bit 5) and Linux granted this process
-    the tile state."""
-    return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 5 & 1) \
-        and bool(library().pagellm_amx_ready())
+    """Whether the kernels were built with the AMX path (build feature bit 5, "amx-bf16-q4") and Linux granted
+    this process the tile state (pagellm_amx_ready answers 0 in builds without it)."""
+    return cpu_kernels() is not None and bool(library().pagellm_amx_ready())
 
 
 def packs(w: PackedWeight) -> bool:

@@ -38,7 +38,7 @@ class DecoderDims(ctypes.Structure):
 
 
 def _matrix(linear) -> PackedMatrix:
-    w, tiles = linear.packed, getattr(linear, "amx_blocks", None)
+    w, tiles = linear.packed, linear.amx_blocks
     amx = (None, None, None) if tiles is None else (tiles.codes.data_ptr(), tiles.d.data_ptr(), ptr(tiles.m))
     return PackedMatrix(KIND_CODES[w.kind], w.out_features, w.in_features, w.qs.data_ptr(),
                         w.d.data_ptr(), ptr(w.m), ptr(linear.bias), *amx)
@@ -91,7 +91,7 @@ class NativeDecoder:
 
     @staticmethod
     def _all_tiled(model) -> bool:
-        return all(getattr(m, "amx_blocks", None) is not None and m.bias is None for m in NativeDecoder._linears(model))
+        return all(m.amx_blocks is not None and m.bias is None for m in NativeDecoder._linears(model))
 
     @staticmethod
     def supports(model) -> bool:

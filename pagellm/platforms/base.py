@@ -34,9 +34,10 @@ class OpChoices:
     for the platform's choice; everything else stays float32. packed_max_rows: the most rows a product
     takes the few-row kernels for (None: quant.formats.PACKED_MAX_ROWS, the float32 GEMM's crossover);
     bf16_prepacked: the bf16 copies are reordered once into oneDNN's blocked layout (torch.ops.mkldnn), so a
-    product does not reorder the weight on every call; amx_max_rows: many-row products of q4_1 blocks with at
-    most this many rows (decode steps past the few-row kernels) dequantize the blocks into AMX bf16 tiles
-    instead (kernels/amx.py: the bf16 path's arithmetic, 0.8 bytes per weight read instead of 2; 0: never)."""
+    product does not reorder the weight on every call; amx_max_rows: many-row products of q4_1 and q8_0 blocks
+    with at most this many rows (decode steps past the few-row kernels) dequantize the blocks into AMX bf16
+    tiles instead (kernels/amx.py: the bf16 path's arithmetic, 0.8 / 1.1 bytes per weight read instead of 2;
+    0: never)."""
 
     native_ops: bool = False
     packed_kernels: bool = False

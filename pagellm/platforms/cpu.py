@@ -280,7 +280,7 @@ class CpuPlatform(Platform):
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
             "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"
                                    if choices.bf16_gemm else "float32") + (
-                f"; q4_1 blocks dequantized into AMX bf16 tiles up to {choices.amx_max_rows} rows"
+                f"; q4_1/q8_0 blocks dequantized into AMX bf16 tiles up to {choices.amx_max_rows} rows"
                 if choices.amx_max_rows else ""),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
             "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))],

@@ -91,10 +91,15 @@ class LinearMethod:
             y = torch.ops.mkldnn._linear_pointwise(xb, layer.weight_bf16, None, "none", [], "")
         else:
             y = torch.mm(xb, layer.weight_bf16.t())
-        if layer.bf16_out and layer.bias is None:
+        if self.bf16_output(layer):
             return y
         y = y.float()
         return y if layer.bias is None else y.add_(layer.bias)
+
+    @staticmethod
+    def bf16_output(layer: nn.Module) -> bool:
+        """Whether a bf16 product of this layer returns bfloat16 (its output feeds a bf16 op, no bias to add)."""
+        return layer.bf16_out and layer.bias is None
 
     def bf16_rows(self, layer: nn.Module, rows: int) -> bool:
         """Whether a product of this many rows runs on the bfloat16 copy."""
@@ -145,8 +150,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def amx_rows(self, layer, rows: int) -> bool:
         """Whether a many-row product of this many rows runs on AMX tiles over the blocks."""
-        tiled = getattr(layer, "amx_blocks", None) is not None
-        return tiled and path_rows(rows, self.choices) <= self.choices.amx_max_rows
+        return layer.amx_blocks is not None and path_rows(rows, self.choices) <= self.choices.amx_max_rows
 
     def reads_blocks(self, packed: PackedWeight) -> bool:
         return self.choices.packed_kernels and ops.kernel_reads(packed)
@@ -167,8 +171,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
             x = fp8_activations(x, packed.act_scale)
         few = self.few_rows(layer, x.shape[0])
         if not few and self.amx_rows(layer, x.shape[0]):  # as bf16_matmul: bf16 out where it feeds a bf16 op
-            bf16_out = layer.bf16_out and layer.bias is None
-            y = amx.linear(x, layer.amx_blocks, torch.bfloat16 if bf16_out else torch.float32)
+            y = amx.linear(x, layer.amx_blocks, torch.bfloat16 if self.bf16_output(layer) else torch.float32)
             return y if layer.bias is None else y.add_(layer.bias)
         if layer.weight_bf16 is not None and not few:
             return self.bf16_matmul(layer, x)

@@ -10,7 +10,7 @@
 // bit 3: bf16 flash attention for prefill chunks (AVX-512 F/BW/BF16 with the AVX2 path; prefill_attention.cpp)
 // bit 4: int8-activation products four q4 blocks per 512-bit vpdpbusd, and their two-plane (~15-bit) mode
 //        (AVX-512 F/BW/VNNI; quant_linear_vnni.h)
-// bit 5: many-row q4_1 products on AMX bf16 tiles, blocks dequantized into the tiles (AMX-TILE/BF16 with
+// bit 5: many-row q4_1 and q8_0 products on AMX bf16 tiles, blocks dequantized into the tiles (AMX-TILE/BF16 with
 //        AVX-512 BF16; quant_linear_amx.cpp), usable once the OS grants the tile state (pagellm_amx_ready)
 extern "C" int pagellm_build_features() {
     int bits = 0;
