@@ -29,6 +29,7 @@ from pagellm.engine.request_stream import (
     QueueFullError,
     RequestTimeoutError,
 )
+from pagellm.platforms.openmp import SPIN_COUNT
 
 # each test starts a core process or a tiny server (~5 s on a 2-core machine)
 pytestmark = pytest.mark.timeout(300)
@@ -81,6 +82,10 @@ def test_requests_jobs_and_errors_cross_the_channel(tiny_path, smollm_gguf_path)
         expected.append(outs[rid].outputs[0].token_ids)
     ref_embedding, _ = embed(ref, [5, 6, 7])
     client = EngineProcessClient.launch(args)
+    environ = f"/proc/{client.proc.pid}/environ"  # Linux: the core steps with a bounded spin (platforms/openmp.py)
+    if os.path.exists(environ) and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        with open(environ, "rb") as f:
+            assert f"GOMP_SPINCOUNT={SPIN_COUNT}".encode() in f.read().split(b"\0")
     assert client.info.max_model_len == ref.max_model_len and client.info.eos_token_ids == ref.eos_token_ids
     assert client.info.model_config.hidden_size == 64 and client.tokenizer.encode("hi") == ref.tokenizer.encode("hi")
 

@@ -8,6 +8,7 @@ import torch
 from pagellm.model.layers.custom_op import CustomOp
 from pagellm.platforms import get_platform
 from pagellm.platforms.cpu import CpuPlatform
+from pagellm.platforms.openmp import SPIN_COUNT, bounded_spin_env
 
 # pure Python or a tiny model: seconds here; a minute means something hangs
 pytestmark = pytest.mark.timeout(60)
@@ -80,3 +81,9 @@ def test_deprecated_backend_name_still_works(tiny_hf_model, smollm_gguf_path, ca
     assert "deprecated" in caplog.text
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_stepping_processes_bound_libgomp_spin_unless_the_user_chose():
+    assert bounded_spin_env({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": str(SPIN_COUNT)}
+    for chosen in ({"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "300000"}):
+        assert bounded_spin_env(chosen) == chosen

@@ -35,6 +35,7 @@ from pagellm.engine.output_wire import decode
 from pagellm.engine.request_stream import EngineDeadError, EngineStoppedError
 from pagellm.executor.errors import WorkerFailedError
 from pagellm.executor.multiproc import READY_TIMEOUT_S
+from pagellm.platforms.openmp import bounded_spin_env
 
 logger = logging.getLogger("pagellm")
 
@@ -78,6 +79,7 @@ class EngineProcessClient(EngineFront):
         ours, theirs = socket.socketpair()
         # As for the executor's workers: the parent-death signal follows the thread that starts the child.
         env = dict(os.environ, PAGELLM_DIE_WITH_PARENT=str(int(threading.current_thread() is threading.main_thread())))
+        env = bounded_spin_env(env)  # it steps beside this process and the clients (platforms/openmp.py)
         with theirs:
             proc = subprocess.Popen([sys.executable, "-m", "pagellm.engine.core_process", str(theirs.fileno()),
                                      str(os.getpid())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,

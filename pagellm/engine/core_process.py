@@ -187,6 +187,11 @@ def main(fd: int, parent_pid: int) -> int:
     except (EOFError, OSError):
         return 0
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    return _in_one_thread(functools.partial(_serve, conn, args, parent_pid))
+
+
+def _serve(conn: Connection, args, parent_pid: int) -> int:
+    """Build the engine, report, then run the loop until told to stop."""
     from pagellm.engine.llm_engine import LLMEngine
 
     try:
@@ -199,7 +204,7 @@ def main(fd: int, parent_pid: int) -> int:
     try:
         conn.send(("ready", EngineInfo.of(engine)))
         loop = CoreLoop(engine, conn, parent_pid)
-        return _run_in_thread(loop.run)
+        return loop.run()
     except (EOFError, OSError):
         return 0
     finally:
@@ -208,11 +213,13 @@ def main(fd: int, parent_pid: int) -> int:
         engine.shutdown()  # the tensor/pipeline-parallel workers, if any
 
 
-def _run_in_thread(run) -> int:
-    """run() in a second thread, as the in-process server steps in a worker thread. Not for the GIL: with
-    the main thread's OpenMP team (model loading) and a second one, libgomp manages more threads than there
-    are cores and throttles its spin-waits, where a lone main-thread team spins. Measured on 2 cores with one
-    busy: a SmolLM2 step took 3.5 s in the main thread, 0.04 s in a second one (uncontended: 17 ms both)."""
+def _in_one_thread(run) -> int:
+    """run() in a second thread that both loads the model and steps it, so that the process has one OpenMP
+    team. libgomp throttles its spin-waits to ~100 rounds once it manages more threads than there are cores
+    (a team made by the main thread while loading plus another for stepping would be 4 on 2 cores): each
+    barrier then sleeps on a futex, and the serve workload ran 445 against 617 output tok/s in one team
+    (benchmarks/NOTES.md, fifteenth session). Not in the main thread itself: the main thread keeps its
+    signal handling free, as the in-process server steps in a worker thread too."""
     result = [1]
 
     def target():
