@@ -50,6 +50,9 @@ AMX_MAX_ROWS = 64
 # 3.8-4.5 vs 3.3-3.5, 12 4.1-4.4 vs 3.5).
 AMX_PACKED_MAX_ROWS = 4
 
+# Freed memory glibc keeps at the top of a heap before it gives it back by itself (see loading()).
+TRIM_THRESHOLD = 256 << 20
+
 # `pagellm info`'s words for each bf16_prefill_attention choice
 PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto, else torch SDPA",
                      "kernel": "bf16 kernel (vdpbf16ps) under --dtype auto, else torch SDPA", None: "torch SDPA"}
@@ -89,9 +92,12 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
 
 
-def _mallopt_mmap_threshold(nbytes: int) -> None:
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def _mallopt(param: int, nbytes: int) -> None:
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+        ctypes.CDLL("libc.so.6").mallopt(param, nbytes)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
 
@@ -245,11 +251,16 @@ class CpuPlatform(Platform):
         # Loading churns through tens of MiB-sized temporaries on worker threads; below glibc's grown mmap
         # threshold they pile up in per-thread arenas (peak RSS 1.5 GiB for a 0.45 GiB model). Map them
         # directly while loading, then allow the usual 32 MiB (the dynamic threshold's ceiling).
-        _mallopt_mmap_threshold(1 << 20)
+        _mallopt(M_MMAP_THRESHOLD, 1 << 20)
         try:
             yield
         finally:
-            _mallopt_mmap_threshold(32 << 20)
+            _mallopt(M_MMAP_THRESHOLD, 32 << 20)
+            # A fixed mmap threshold also fixes the trim threshold at 128 KiB: every step's freed activations
+            # at the heap's top went back to the OS and the next step faulted them in again (W2 offline on the
+            # Xeon VM: 1.35M page faults and 527 tok/s, a second run in the same engine 2.67M and 449; with
+            # this 265k / 112k and 568 / 583). Idle trims (release_free_memory) still return it all.
+            _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
         # Dequantizing on worker threads leaves ~600 MiB of freed buffers in glibc's per-thread arenas
         # (measured with SmolLM2); hand them back to the OS before the KV cache is allocated on top.
         _malloc_trim()
