@@ -140,8 +140,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None -> the model's context length
     enable_chunked_prefill: bool = True
+    # Prompt tokens one step takes beside running decodes while few requests wait (core/scheduler.py); 0: the
+    # whole budget always
+    max_prefill_tokens_while_decoding: int = 256
 
     def __post_init__(self):
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 0, got "
+                             f"{self.max_prefill_tokens_while_decoding}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -187,6 +193,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    max_prefill_tokens_while_decoding: int = 256
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: int | str = "256MiB"
@@ -354,6 +361,10 @@ class EngineArgs:
                        help="token budget of one step (prefill chunks + decodes)")
         g.add_argument("--max-model-len", type=int, default=None,
                        help="max prompt + output tokens per request (default: the model's context)")
+        g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=d.max_prefill_tokens_while_decoding,
+                       help="prompt tokens per step beside running decodes while few requests wait, which bounds "
+                            f"the decodes' inter-token latency (default {d.max_prefill_tokens_while_decoding}; "
+                            "0: the whole step budget)")
         g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                        help="prefill each prompt in one step instead of in budget-sized chunks")
         g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -430,4 +441,4 @@ class EngineArgs:
     def scheduler_config(self, model_len: int) -> SchedulerConfig:
         max_len = min(self.max_model_len or model_len, model_len)
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_len,
-                               self.enable_chunked_prefill)
+                               self.enable_chunked_prefill, self.max_prefill_tokens_while_decoding)

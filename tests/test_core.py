@@ -193,3 +193,24 @@ def test_prefix_cache_hit_reuses_blocks_and_leaves_last_token():
     sched.add_request(c)
     hit, n = kv.get_computed_blocks(c)
     assert hit == [0] and n == 4
+
+
+def test_prompts_beside_decodes_take_the_prefill_allowance_unless_a_backlog_waits():
+    kv = KVCacheManager(256, 16)
+    sched = Scheduler(SchedulerConfig(16, 2048, 4096, True, max_prefill_tokens_while_decoding=256), kv)
+    sched.add_request(make_req("d", 8, max_tokens=50))
+    run_step(sched)  # "d" prefilled with the whole budget (nothing decodes yet); it decodes from now on
+    sched.add_request(make_req("p", 600, first_token=100))
+    sizes = [{s.request.request_id: s.num_new_tokens for s in run_step(sched).scheduled} for _ in range(3)]
+    assert sizes == [{"d": 1, "p": 256}, {"d": 1, "p": 256}, {"d": 1, "p": 88}]  # the prompt in chunks of 256
+    # more than max_num_seqs // 8 = 2 waiting: a backlog, admitted with the whole budget
+    for i in range(3):
+        sched.add_request(make_req(f"b{i}", 600, first_token=1000 + 1000 * i))
+    assert [s.num_new_tokens for s in run_step(sched).scheduled] == [1, 1, 600, 600, 600]
+    # no allowance (0): the whole budget beside decodes too
+    kv = KVCacheManager(256, 16)
+    sched = Scheduler(SchedulerConfig(16, 2048, 4096, True, max_prefill_tokens_while_decoding=0), kv)
+    sched.add_request(make_req("d", 8, max_tokens=50))
+    run_step(sched)
+    sched.add_request(make_req("p", 600, first_token=100))
+    assert [s.num_new_tokens for s in run_step(sched).scheduled] == [1, 600]

@@ -53,13 +53,26 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(4, 24), block_size=st.sampled_from([1, 2, 4, 8]),
        budget=st.integers(1, 48), max_seqs=st.integers(1, 6), chunked=st.booleans(), caching=st.booleans(),
-       host_blocks=st.sampled_from([0, 2, 8, 32]))
+       host_blocks=st.sampled_from([0, 2, 8, 32]), prefill_cap=st.sampled_from([0, 1, 3, 256]))
 def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budget, max_seqs, chunked, caching,
-                                              host_blocks):
+                                              host_blocks, prefill_cap):
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, num_host_blocks=host_blocks)
     max_len = num_blocks * block_size
     sched = Scheduler(SchedulerConfig(max_seqs, max(budget, max_len) if not chunked else budget, max_len,
-                                      chunked), kv, "swap" if host_blocks else "recompute")
+                                      chunked, prefill_cap), kv, "swap" if host_blocks else "recompute")
+
+    def schedule():
+        """One step's schedule; beside decodes with at most one request waiting (max_seqs // 8 is 0 here),
+        prompts take at most the cap."""
+        few_waiting = len(sched.waiting) <= 1
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running)
+        out = sched.schedule()
+        prompt_tokens = sum(s.num_new_tokens for s in out.scheduled
+                            if s.request.num_tokens - s.request.num_computed_tokens > 1)
+        if prefill_cap and chunked and few_waiting and decoding:
+            assert prompt_tokens <= prefill_cap
+        return out
+
     added = []
     for op in ops:
         if op[0] == "add":
@@ -75,7 +88,7 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budge
                 leader = leader or req
                 added.append(req)
         elif op[0] == "step":
-            out = sched.schedule()
+            out = schedule()
             seed = op[1]
             sampled = {s.request.request_id: (seed + i) % 50 for i, s in enumerate(out.scheduled) if s.samples}
             sched.update(out, sampled)
@@ -84,7 +97,7 @@ def test_random_interleavings_keep_invariants(ops, num_blocks, block_size, budge
         check_invariants(sched, kv)
     steps = 0
     while sched.has_unfinished_requests():
-        out = sched.schedule()
+        out = schedule()
         assert out.scheduled, "scheduler stalled with unfinished requests"
         sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
         check_invariants(sched, kv)
