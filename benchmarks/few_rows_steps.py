@@ -1,9 +1,9 @@
 """Whole decode steps at a few rows under `--dtype auto`: engines with different few-row limits
 (`BF16_PACKED_MAX_ROWS`, `INT8_PACKED_MAX_ROWS` where few-row products take int8 activations, or
-`AMX_PACKED_MAX_ROWS` where many-row ones run on AMX tiles, above which steps leave the packed kernels and
-the one-call decoder for the bf16 GEMMs or the AMX products), the same batch of
+`AMX_PACKED_MAX_ROWS` / `AMX_INT8_PACKED_MAX_ROWS` where many-row ones run on AMX tiles, above which steps leave
+the packed kernels and the one-call decoder for the bf16 GEMMs or the AMX products), the same batch of
 requests (prompts 100-200 tokens, 64 greedy tokens each) run three times in
-turn; wall and CPU seconds per run. The limits 6, 12 and 6 in pagellm/platforms/cpu.py come from this:
+turn; wall and CPU seconds per run. The limits 6, 12, 4 and 6 in pagellm/platforms/cpu.py come from this:
 
     OMP_WAIT_POLICY=passive env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \\
         .venv/bin/python benchmarks/few_rows_steps.py BATCH 20,8,6,4
@@ -24,7 +24,7 @@ def main() -> None:
     engines = {}
     for limit in limits:
         # read when the engine's ops are chosen
-        cpu.BF16_PACKED_MAX_ROWS = cpu.INT8_PACKED_MAX_ROWS = cpu.AMX_PACKED_MAX_ROWS = limit
+        cpu.BF16_PACKED_MAX_ROWS = cpu.INT8_PACKED_MAX_ROWS = cpu.AMX_PACKED_MAX_ROWS = cpu.AMX_INT8_PACKED_MAX_ROWS = limit
         engines[limit] = LLM(None, dtype="auto", enable_prefix_caching=False)
         engines[limit].generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     wl = random_workload(batch, 49152, (100, 200), (64, 64), 0)

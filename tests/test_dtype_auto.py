@@ -57,7 +57,7 @@ def test_platform_chooses_fine_int8_activations_only_for_auto_with_avx512_vnni()
     # (where many-row products run on AMX tiles, those beat the packed kernels from a few rows either way)
     if p.bf16_dot_products and p.native_kernels and p.amx_tiles:
         assert p.op_choices(torch.float32, False, auto=True).packed_max_rows == cpu.AMX_PACKED_MAX_ROWS
-        assert p.op_choices(torch.float32, True, auto=True).packed_max_rows == cpu.AMX_PACKED_MAX_ROWS
+        assert p.op_choices(torch.float32, True, auto=True).packed_max_rows == cpu.AMX_INT8_PACKED_MAX_ROWS
     elif p.bf16_dot_products and p.native_kernels:
         assert p.op_choices(torch.float32, False, auto=True).packed_max_rows == cpu.BF16_PACKED_MAX_ROWS
         assert p.op_choices(torch.float32, True, auto=True).packed_max_rows == cpu.INT8_PACKED_MAX_ROWS

@@ -357,12 +357,18 @@ def test_engine_greedy_ids_equal_with_and_without_kernels(smollm_gguf_path, monk
     assert got == want
 
 
-def test_native_decoder_equals_module_path(smollm_gguf_path):
+@pytest.mark.parametrize("dtype", [None, "auto"])
+def test_native_decoder_equals_module_path(smollm_gguf_path, dtype):
     """The one-call decoder runs the same kernels in the same order as the module-by-module native
-    path, so few-row steps give bit-identical logits with it and without it."""
+    path, so few-row steps give bit-identical logits with it and without it (under auto on AVX-512 VNNI:
+    the int8 tile-order products, Linear.int8_tiles, in both)."""
     from pagellm import LLM, SamplingParams
+    from pagellm.kernels import int8_tiles
 
-    llm = LLM(smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False)
+    llm = LLM(smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False,
+              dtype=dtype)
+    layer = llm.engine.model.layers[0].mlp.down_proj
+    assert (layer.int8_tiles is not None) == (layer.int8_activations > 0 and int8_tiles.available())
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3)
     # Each batch is one step's worth of prompts. The 18-token prompt alone has more new rows than the paged
     # kernel serves per request and fewer than the decoder's step limit: its prefill must take the module

@@ -40,7 +40,8 @@ ISA_MACROS = ["AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512B
               "AMX_TILE", "AMX_BF16", "AMX_INT8"]
 # Bit i of pagellm_build_features() (cpu/features.cpp): the hand-written kernel paths compiled into the
 # library (AVX2+FMA, F16C, VNNI; the compiler may still auto-vectorize plain loops for any ISA in "isa").
-PATHS = ["avx2-fma", "f16c-kv", "vnni-int8", "avx512-bf16-prefill-attention", "avx512-vnni-int8", "amx-bf16-q4"]
+PATHS = ["avx2-fma", "f16c-kv", "vnni-int8", "avx512-bf16-prefill-attention", "avx512-vnni-int8", "amx-bf16-q4",
+         "int8-tiles"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -63,6 +64,9 @@ SIGNATURES = {
     # kind, x, ldx, x is bf16, M, K, tile-order codes, d, m, N, y, ldy, y is bf16, threads (quant_linear_amx.cpp)
     "pagellm_packed_linear_amx": ([_i32, _p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32, _i32], _i32),
     "pagellm_amx_ready": ([], _i32),
+    # kind, planes, method, x, ldx, M, K, tile-order codes, d, m, N, y, ldy, threads (quant_linear_int8_tiles.cpp)
+    "pagellm_int8_tiles_linear": ([_i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], _i32),
+    "pagellm_int8_tiles_amx_ready": ([], _i32),
     "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p, _i32], _i32),
     "pagellm_paged_attention": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _p, _p, _i32, _f32,
                                  _p, _i32, _i32], _i32),

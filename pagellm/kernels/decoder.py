@@ -22,7 +22,8 @@ _p = ctypes.c_void_p
 
 class PackedMatrix(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("out_features", ctypes.c_int32), ("in_features", ctypes.c_int32),
-                ("qs", _p), ("d", _p), ("m", _p), ("bias", _p), ("amx_codes", _p), ("amx_d", _p), ("amx_m", _p)]
+                ("qs", _p), ("d", _p), ("m", _p), ("bias", _p), ("amx_codes", _p), ("amx_d", _p), ("amx_m", _p),
+                ("i8_codes", _p), ("i8_d", _p), ("i8_m", _p)]
 
 
 class DecoderLayer(ctypes.Structure):
@@ -38,10 +39,14 @@ class DecoderDims(ctypes.Structure):
 
 
 def _matrix(linear) -> PackedMatrix:
-    w, tiles = linear.packed, linear.amx_blocks
-    amx = (None, None, None) if tiles is None else (tiles.codes.data_ptr(), tiles.d.data_ptr(), ptr(tiles.m))
+    w = linear.packed
+
+    def blocks(tiles) -> tuple:
+        return (None, None, None) if tiles is None else (tiles.codes.data_ptr(), tiles.d.data_ptr(), ptr(tiles.m))
+
     return PackedMatrix(KIND_CODES[w.kind], w.out_features, w.in_features, w.qs.data_ptr(),
-                        w.d.data_ptr(), ptr(w.m), ptr(linear.bias), *amx)
+                        w.d.data_ptr(), ptr(w.m), ptr(linear.bias), *blocks(linear.amx_blocks),
+                        *blocks(linear.int8_tiles))
 
 
 class NativeDecoder:

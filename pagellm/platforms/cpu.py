@@ -49,6 +49,11 @@ AMX_MAX_ROWS = 64
 # 6 2.86-2.97 vs 2.70-2.86 (AMX steps in the module path, before the decoder took them: 8 3.07 vs 3.04, 10
 # 3.8-4.5 vs 3.3-3.5, 12 4.1-4.4 vs 3.5).
 AMX_PACKED_MAX_ROWS = 4
+# The same limit where few-row products take int8 activations: since they read their blocks in tile order
+# (kernels/int8_tiles.py: 4 rows 7.5 -> 4.2 ms per step's products), limit 4 vs limit = batch, wall s of the
+# last two runs: batch 5 0.72-0.74 vs 0.64-0.66, 6 0.87 vs 0.82-0.83, 7 0.81-0.94 vs 0.88-0.93, 8 1.03-1.08 vs
+# 1.08-1.16 (benchmarks/NOTES.md, sixteenth session).
+AMX_INT8_PACKED_MAX_ROWS = 6
 
 # Freed memory glibc keeps at the top of a heap before it gives it back by itself (see loading()).
 TRIM_THRESHOLD = 256 << 20
@@ -163,7 +168,7 @@ class CpuPlatform(Platform):
         if not bf16:
             few_rows = None
         elif amx:
-            few_rows = AMX_PACKED_MAX_ROWS
+            few_rows = AMX_INT8_PACKED_MAX_ROWS if mode else AMX_PACKED_MAX_ROWS
         else:
             few_rows = INT8_PACKED_MAX_ROWS if native and mode else BF16_PACKED_MAX_ROWS
         return OpChoices(native_ops=native, packed_kernels=native, blas_gemm=blas,

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from pagellm.kernels import amx, blas, ops
+from pagellm.kernels import amx, blas, int8_tiles, ops
 from pagellm.platforms.base import OpChoices
 from pagellm.quant.formats import PACKED_MAX_ROWS, PackedWeight
 
@@ -144,9 +144,14 @@ class GGUFBlocksLinearMethod(LinearMethod):
             drop_float_weight(layer)
 
     def pack_amx(self, layer) -> None:
-        """The blocks in AMX tile order where the platform chose AMX products and the kernel takes the kind."""
+        """The blocks in AMX tile order where the platform chose AMX products and the kernel takes the kind, and
+        in the int8 tile order where few-row products run on int8 activations and the build has that path (every
+        row then the same bits whatever the rows in the step: int8_tiles)."""
         use = self.choices.amx_max_rows and layer.packed is not None and amx.packs(layer.packed)
         layer.amx_blocks = amx.pack(layer.packed) if use else None
+        use = self.int8_activations and layer.packed is not None and int8_tiles.packs(layer.packed) and \
+            self.reads_blocks(layer.packed) and int8_tiles.available()
+        layer.int8_tiles = int8_tiles.pack(layer.packed) if use else None
 
     def amx_rows(self, layer, rows: int) -> bool:
         """Whether a many-row product of this many rows runs on AMX tiles over the blocks."""
@@ -176,6 +181,9 @@ class GGUFBlocksLinearMethod(LinearMethod):
         if layer.weight_bf16 is not None and not few:
             return self.bf16_matmul(layer, x)
         if few:
+            if layer.int8_tiles is not None:
+                y = int8_tiles.linear(x, layer.int8_tiles, self.choices.int8_activations)
+                return y if layer.bias is None else y.add_(layer.bias)
             xp = x if packed.perm is None else x.index_select(1, packed.perm)
             y = ops.packed_linear(xp, packed, self.choices.int8_activations)
         elif layer.weight_t.numel() == 0:  # float copy dropped

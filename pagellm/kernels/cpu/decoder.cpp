@@ -11,6 +11,9 @@
 extern "C" {
 void pagellm_packed_linear(int kind, int int8_x, const float* x, int64_t ldx, int M, int K, const void* qs,
                            const float* d, const float* m, int N, float* y, int64_t ldy, int nthreads);
+int pagellm_int8_tiles_linear(int kind, int planes, int method, const float* x, int64_t ldx, int M, int K,
+                              const uint8_t* codes, const float* d, const float* m, int N, float* y, int64_t ldy,
+                              int nthreads);
 void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, float* out, int T, int C, float eps,
                          int nthreads);
 void pagellm_rope(float* x, int64_t ldx, int T, int heads, int D, const float* cos_table, const float* sin_table,
@@ -43,6 +46,10 @@ struct PackedMatrix {
     const uint8_t* amx_codes;
     const float* amx_d;
     const float* amx_m;
+    // the blocks in int8 tile order (pagellm/kernels/int8_tiles.py), or null: the few-row int8 products' layout
+    const uint8_t* i8_codes;
+    const float* i8_d;
+    const float* i8_m;
 };
 
 struct DecoderLayer {
@@ -62,8 +69,13 @@ struct DecoderDims {
 };
 
 static void matmul(const PackedMatrix& w, const float* x, int T, float* y, int int8_x, int nthreads) {
-    pagellm_packed_linear(w.kind, int8_x, x, w.in_features, T, w.in_features, w.qs, w.d, w.m, w.out_features, y,
-                          w.out_features, nthreads);
+    // int8 activations over blocks in tile order where the layer has them (as the module path: Linear.int8_tiles)
+    const bool tiles = int8_x && w.i8_codes &&
+                       pagellm_int8_tiles_linear(w.kind, int8_x, 0, x, w.in_features, T, w.in_features, w.i8_codes,
+                                                 w.i8_d, w.i8_m, w.out_features, y, w.out_features, nthreads) == 0;
+    if (!tiles)
+        pagellm_packed_linear(w.kind, int8_x, x, w.in_features, T, w.in_features, w.qs, w.d, w.m, w.out_features, y,
+                              w.out_features, nthreads);
     if (w.bias)
         for (int t = 0; t < T; ++t)
             for (int i = 0; i < w.out_features; ++i) y[(int64_t)t * w.out_features + i] += w.bias[i];

@@ -12,6 +12,8 @@
 //        (AVX-512 F/BW/VNNI; quant_linear_vnni.h)
 // bit 5: many-row q4_1 and q8_0 products on AMX bf16 tiles, blocks dequantized into the tiles (AMX-TILE/BF16 with
 //        AVX-512 BF16; quant_linear_amx.cpp), usable once the OS grants the tile state (pagellm_amx_ready)
+// bit 6: int8-activation products over blocks in tile order (AVX-512 F/BW/VNNI; quant_linear_int8_tiles.cpp),
+//        whose many-row half runs on AMX-INT8 tiles where the build has them (pagellm_int8_tiles_amx_ready)
 extern "C" int pagellm_build_features() {
     int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -30,6 +32,9 @@ extern "C" int pagellm_build_features() {
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
     bits |= 1 << 5;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    bits |= 1 << 6;
 #endif
 #endif
     return bits;

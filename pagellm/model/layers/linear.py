@@ -24,6 +24,7 @@ class Linear(nn.Module):
         self.packed: PackedWeight | None = None
         self.weight_bf16: torch.Tensor | None = None  # [out, in], where the platform chose bf16 GEMMs
         self.amx_blocks = None  # q4_1/q8_0 blocks in AMX tile order (kernels/amx.py) where the platform chose AMX
+        self.int8_tiles = None  # q4_1/q8_0 blocks for the few-row int8-activation products (kernels/int8_tiles.py)
         self.bf16_out = False  # bf16 products return bfloat16 (set by a module whose next product takes it)
         self._packed_shards: dict[int, PackedWeight] = {}
         self.reduce = None  # row-parallel (tensor parallelism): the all-reduce that sums the ranks' parts
@@ -67,13 +68,13 @@ class Linear(nn.Module):
             self.weight_bf16 = None if bf is None else bf[:, a:b].contiguous()
             self.packed = None if packed is None else packed.columns(a, b)
             self.in_features, self.reduce = b - a, reduce
-        if self.amx_blocks is not None:  # the tile order of the cut blocks
+        if self.amx_blocks is not None or self.int8_tiles is not None:  # the tile orders of the cut blocks
             self.quant_method.pack_amx(self)
 
     def drop_weights(self) -> None:
         """Another pipeline stage computes with this layer: free every copy."""
         self.weight_t.data = torch.empty(0, 0)
-        self.weight_bf16 = self.packed = self.amx_blocks = None
+        self.weight_bf16 = self.packed = self.amx_blocks = self.int8_tiles = None
 
     def bf16_rows(self, rows: int) -> bool:
         return self.quant_method.bf16_rows(self, rows)

@@ -1,0 +1,308 @@
+// Int8-activation products over q4_1 and q8_0 blocks in one weight layout that AVX-512 VNNI and AMX-INT8 both
+// read, with the same arithmetic: every (row, 16 columns, block of 32 inputs) gets its integer dot product
+// exactly (vpdpbusd or tdpbsud: the same int32), then the same float operations in the same order. So a row's
+// result does not depend on how many rows the call has or which unit ran it: a speculative verification step
+// of 5 rows can run on the tiles, nearly as cheap as one row, and still give exactly the tokens that one-row
+// decode steps (VNNI) give. x is rounded per 32 values as quant_linear_vnni.h does (planes 1: llama.cpp's
+// scheme; planes 2: plus the rounding error as a second int8 plane in steps of d / 128).
+//
+// Layout (pagellm/kernels/int8_tiles.py packs it): per strip of 16 output columns, per block of 32 inputs,
+// the block's codes as an AMX B tile in VNNI order: tile row j (inputs 4j .. 4j + 3) holds, for column c, bytes
+// 4c .. 4c + 3. q8_0: 8 rows of 64 bytes, each code + 128 (unsigned); q4_1: 4 rows of 64 bytes, byte i of row
+// j holding row j's code in its low nibble and row j + 4's in its high one. d and q4_1's m: 16 floats per
+// (strip, block), in column order.
+#include <cstdint>
+#include <cstring>
+
+#include "quant_linear_vnni.h"
+
+#ifdef PAGELLM_VNNI512
+#include <algorithm>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define PAGELLM_AMX_INT8 1
+extern "C" int pagellm_amx_ready();
+#endif
+
+namespace {
+
+constexpr int COLS = 16, BLOCK = 32;
+// Up to this many rows the VNNI path runs, past it the tiles where the build and the OS have them. A decode
+// step's 121 products (30 layers + LM head, cold weights) on the Xeon VM, VNNI vs tiles, ms: 1 row 3.2 vs 6.5,
+// 5 5.1 vs 8.4, 8 8.3 vs 9.7, 10 9.4 vs 9.8, 12 11.2 vs 9.9, 16 13.0 vs 10.6 (the tiles wait on each block's
+// sums before its float work, which grows with the rows: benchmarks/NOTES.md, sixteenth session).
+constexpr int VNNI_MAX_ROWS = 10;
+
+template <bool Q8>
+constexpr int CODE_BYTES = Q8 ? 512 : 256;  // one (strip, block)
+
+// x rounded per block: planes of int8 [Mpad, K] (rows past M zero), 64-byte aligned for the tile loads.
+struct Rows {
+    int M = 0, Mpad = 0, K = 0, nb = 0;
+    std::vector<int8_t> raw;
+    int8_t* q[2] = {nullptr, nullptr};
+    std::vector<float> scale;    // [Mpad, nb]: the block's x scale (d, or d / 128 with two planes); 0 past M
+    std::vector<float> sum;      // [Mpad, nb]: the block's exact float sum (q4_1's m term)
+    std::vector<int32_t> bias;   // [Mpad, nb]: 128 x the integer sum the products see (q8_0's +128 codes)
+};
+
+Rows prepare(const float* x, int64_t ldx, int M, int K, int planes, int pad) {
+    Rows r;
+    r.M = M, r.K = K, r.nb = K / BLOCK, r.Mpad = (M + pad - 1) / pad * pad;
+    const size_t plane = (size_t)r.Mpad * K;
+    r.raw.assign(planes * plane + 64, 0);
+    int8_t* base = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(r.raw.data()) + 63) & ~uintptr_t(63));
+    r.q[0] = base, r.q[1] = planes == 2 ? base + plane : nullptr;
+    r.scale.assign((size_t)r.Mpad * r.nb, 0.f);
+    r.sum.assign((size_t)r.Mpad * r.nb, 0.f);
+    r.bias.assign((size_t)r.Mpad * r.nb, 0);
+    for (int i = 0; i < M; ++i)
+        for (int b = 0; b < r.nb; ++b) {
+            const float* xb = x + i * ldx + b * BLOCK;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            const size_t at = (size_t)i * r.nb + b;
+            r.sum[at] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+            __m512 v0 = x0, v1 = x1;
+            int8_t* q0 = r.q[0] + (size_t)i * K + b * BLOCK;
+            const float d = vnni512::round_block(v0, v1, q0, q0 + 16);
+            int32_t total = 0;
+            for (int k = 0; k < BLOCK; ++k) total += q0[k];
+            if (planes == 2) {  // the rounding error in steps of d / 128, as quant_linear_vnni.h's prepare
+                const __m512 fine = _mm512_set1_ps(vnni512::inv_d(d) * 128.f), dv = _mm512_set1_ps(d);
+                const __m512 e0 = _mm512_sub_ps(x0, _mm512_mul_ps(dv, v0)), e1 = _mm512_sub_ps(x1, _mm512_mul_ps(dv, v1));
+                int8_t* q1 = r.q[1] + (size_t)i * K + b * BLOCK;
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(q1), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e0, fine))));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 16),
+                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e1, fine))));
+                total *= 128;
+                for (int k = 0; k < BLOCK; ++k) total += q1[k];
+            }
+            r.scale[at] = planes == 2 ? d / 128.f : d;
+            r.bias[at] = 128 * total;
+        }
+    return r;
+}
+
+// The float work after a block's integer sums s (16 columns of one row): the one place both paths round.
+template <bool Q8>
+inline __m512 accumulate(__m512 acc, __m512i s, const Rows& x, size_t at, __m512 dv, __m512 mv) {
+    if constexpr (Q8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x.bias[at]));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(x.scale[at])), dv, acc);
+    if constexpr (!Q8) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sum[at]), acc);
+    return acc;
+}
+
+// A (strip, block)'s codes as the 8 tile rows of unsigned bytes.
+template <bool Q8>
+inline void load_codes(const uint8_t* codes, __m512i* u) {
+    if constexpr (Q8) {
+        for (int j = 0; j < 8; ++j) u[j] = _mm512_loadu_si512(codes + 64 * j);
+    } else {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int j = 0; j < 4; ++j) {
+            const __m512i w = _mm512_loadu_si512(codes + 64 * j);
+            u[j] = _mm512_and_si512(w, low);
+            u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+        }
+    }
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// The rows' integer sums against one block (u: its tile rows): two chains per plane (latency), then
+// 128 * plane 0 + plane 1, exact in int32.
+template <int Planes>
+inline __m512i block_sum(const __m512i* u, const int8_t* x0, const int8_t* x1) {
+    __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+        a = _mm512_dpbusd_epi32(a, u[j], broadcast4(x0 + 4 * j));
+        b = _mm512_dpbusd_epi32(b, u[j + 1], broadcast4(x0 + 4 * j + 4));
+    }
+    __m512i s = _mm512_add_epi32(a, b);
+    if constexpr (Planes == 2) {
+        __m512i c = _mm512_setzero_si512(), e = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+            c = _mm512_dpbusd_epi32(c, u[j], broadcast4(x1 + 4 * j));
+            e = _mm512_dpbusd_epi32(e, u[j + 1], broadcast4(x1 + 4 * j + 4));
+        }
+        s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_add_epi32(c, e));
+    }
+    return s;
+}
+
+// Rows r0 .. r0 + R - 1 against one strip on AVX-512 VNNI.
+template <int R, int Planes, bool Q8>
+void vnni_strip(const Rows& x, int r0, const uint8_t* codes, const float* d, const float* m, float* y, int64_t ldy) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < x.nb; ++b) {
+        const uint8_t* cb = codes + (size_t)b * CODE_BYTES<Q8>;
+        // weights stream once per decode step: ask for them 8 blocks ahead (the next strip's when near the end)
+        for (int l = 0; l < CODE_BYTES<Q8>; l += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(cb + 8 * CODE_BYTES<Q8> + l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(d + (b + 8) * COLS), _MM_HINT_T0);
+        if constexpr (!Q8) _mm_prefetch(reinterpret_cast<const char*>(m + (b + 8) * COLS), _MM_HINT_T0);
+        __m512i u[8];
+        load_codes<Q8>(cb, u);
+        const __m512 dv = _mm512_loadu_ps(d + b * COLS), mv = Q8 ? dv : _mm512_loadu_ps(m + b * COLS);
+        for (int r = 0; r < R; ++r) {
+            const size_t row = (size_t)(r0 + r) * x.K + b * BLOCK;
+            const __m512i s = block_sum<Planes>(u, x.q[0] + row, Planes == 2 ? x.q[1] + row : nullptr);
+            acc[r] = accumulate<Q8>(acc[r], s, x, (size_t)(r0 + r) * x.nb + b, dv, mv);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, acc[r]);
+}
+
+template <int Planes, bool Q8>
+void vnni_rows(const Rows& x, const uint8_t* codes, const float* d, const float* m, float* y, int64_t ldy) {
+    for (int r = 0; r < x.M; r += 4) {
+        switch (std::min(4, x.M - r)) {
+            case 4: vnni_strip<4, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            case 3: vnni_strip<3, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            case 2: vnni_strip<2, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            default: vnni_strip<1, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+        }
+    }
+}
+
+#ifdef PAGELLM_AMX_INT8
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Tiles 0-1: A (16 rows of x's block, planes 0 and 1: 32 bytes), 2: B (the block's 8 rows of 64 bytes),
+// 3-4: C (16 rows x 16 int32 sums, per plane).
+void configure_int8_tiles() {
+    TileConfig c{};
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = 16, c.colsb[0] = c.colsb[1] = 32;
+    c.rows[2] = 8, c.colsb[2] = 64;
+    c.rows[3] = c.rows[4] = 16, c.colsb[3] = c.colsb[4] = 64;
+    _tile_loadconfig(&c);
+}
+
+// Every row (in 16s) against one strip on AMX tiles; q4_1 codes unpacked once per strip into `unpacked`.
+template <int Planes, bool Q8>
+void amx_strip(const Rows& x, const uint8_t* codes, const float* d, const float* m, float* y, int64_t ldy,
+               uint8_t* unpacked) {
+    const uint8_t* b_tiles = codes;
+    if constexpr (!Q8) {
+        for (int b = 0; b < x.nb; ++b) {
+            __m512i u[8];
+            load_codes<false>(codes + (size_t)b * 256, u);
+            for (int j = 0; j < 8; ++j) _mm512_store_si512(unpacked + (size_t)b * 512 + 64 * j, u[j]);
+        }
+        b_tiles = unpacked;
+    }
+    alignas(64) int32_t c[2][16 * 16];
+    for (int r0 = 0; r0 < x.Mpad; r0 += 16) {
+        const int rows = std::min(16, x.M - r0);  // the float work only for rows that exist
+        __m512 acc[16];
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+        for (int b = 0; b < x.nb; ++b) {
+            const size_t row = (size_t)r0 * x.K + b * BLOCK;
+            _tile_loadd(2, b_tiles + (size_t)b * 512, 64);
+            _tile_zero(3);
+            _tile_loadd(0, x.q[0] + row, x.K);
+            _tile_dpbsud(3, 0, 2);
+            _tile_stored(3, c[0], 64);
+            if constexpr (Planes == 2) {
+                _tile_zero(4);
+                _tile_loadd(1, x.q[1] + row, x.K);
+                _tile_dpbsud(4, 1, 2);
+                _tile_stored(4, c[1], 64);
+            }
+            const __m512 dv = _mm512_loadu_ps(d + b * COLS), mv = Q8 ? dv : _mm512_loadu_ps(m + b * COLS);
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; ++r) {
+                if (r == rows) break;
+                __m512i s = _mm512_load_si512(c[0] + 16 * r);
+                if constexpr (Planes == 2) s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), _mm512_load_si512(c[1] + 16 * r));
+                acc[r] = accumulate<Q8>(acc[r], s, x, (size_t)(r0 + r) * x.nb + b, dv, mv);
+            }
+        }
+        for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, acc[r]);
+    }
+}
+#endif
+
+template <int Planes, bool Q8>
+int run(const float* xf, int64_t ldx, int M, int K, const uint8_t* codes, const float* d, const float* m, int N,
+        float* y, int64_t ldy, int nthreads, bool tiles) {
+    const Rows x = prepare(xf, ldx, M, K, Planes, tiles ? 16 : 1);
+    const int strips = N / COLS, nb = K / BLOCK;
+    const size_t code_stride = (size_t)nb * CODE_BYTES<Q8>, scale_stride = (size_t)nb * COLS;
+    nthreads = std::max(1, std::min(nthreads, strips));
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef PAGELLM_AMX_INT8
+        std::vector<uint8_t> raw(tiles && !Q8 ? (size_t)nb * 512 + 64 : 0);
+        uint8_t* unpacked = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+        if (tiles) configure_int8_tiles();
+#endif
+#pragma omp for schedule(static)
+        for (int s = 0; s < strips; ++s) {
+            const uint8_t* cs = codes + s * code_stride;
+            const float* ds = d + s * scale_stride;
+            const float* ms = Q8 ? nullptr : m + s * scale_stride;
+#ifdef PAGELLM_AMX_INT8
+            if (tiles) {
+                amx_strip<Planes, Q8>(x, cs, ds, ms, y + s * COLS, ldy, unpacked);
+                continue;
+            }
+#endif
+            vnni_rows<Planes, Q8>(x, cs, ds, ms, y + s * COLS, ldy);
+        }
+#ifdef PAGELLM_AMX_INT8
+        if (tiles) _tile_release();
+#endif
+    }
+    return 0;
+}
+
+}  // namespace
+#endif
+
+// Whether this build and process can run the AMX-INT8 half of the tile products (the VNNI half needs only the
+// build: pagellm_build_features bit 6).
+extern "C" int pagellm_int8_tiles_amx_ready() {
+#ifdef PAGELLM_AMX_INT8
+    return pagellm_amx_ready();
+#else
+    return 0;
+#endif
+}
+
+// y[M, N] = x[M, K] @ W^T over q4_1 (kind 0) or q8_0 (kind 1: m NULL) blocks in the layout above, x rounded
+// to int8 per 32 values (planes 1 or 2). method 0: VNNI up to VNNI_MAX_ROWS rows, else tiles where ready;
+// 1: VNNI; 2: tiles. The same bits whichever runs. N % 16 == 0, K % 32 == 0. Returns 0, or -1 where the
+// build lacks the path (or the tiles, for method 2) or an argument is out of range.
+extern "C" int pagellm_int8_tiles_linear(int kind, int planes, int method, const float* x, int64_t ldx, int M, int K,
+                                         const uint8_t* codes, const float* d, const float* m, int N, float* y,
+                                         int64_t ldy, int nthreads) {
+#ifdef PAGELLM_VNNI512
+    if (N % COLS || K % BLOCK || M < 1 || kind < 0 || kind > 1 || planes < 1 || planes > 2 || method < 0 ||
+        method > 2 || (kind == 0 && m == nullptr))
+        return -1;
+    const bool ready = pagellm_int8_tiles_amx_ready();
+    if (method == 2 && !ready) return -1;
+    const bool tiles = method == 2 || (method == 0 && ready && M > VNNI_MAX_ROWS);
+    if (kind == 1)
+        return planes == 2 ? run<2, true>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles)
+                           : run<1, true>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles);
+    return planes == 2 ? run<2, false>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles)
+                       : run<1, false>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles);
+#else
+    (void)kind, (void)planes, (void)method, (void)x, (void)ldx, (void)M, (void)K, (void)codes, (void)d, (void)m;
+    (void)N, (void)y, (void)ldy, (void)nthreads;
+    return -1;
+#endif
+}

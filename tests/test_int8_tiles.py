@@ -1,0 +1,107 @@
+"""Few-row int8-activation products over q4_1 and q8_0 blocks in tile order (pagellm/kernels/int8_tiles.py,
+cpu/quant_linear_int8_tiles.cpp): a row's result is the same bits whatever the rows in the call and whichever
+unit ran it (AVX-512 VNNI or AMX-INT8), and as close to the float product as the other int8 kernels. The kernel
+tests run where the build has the path (AVX-512 VNNI), the tile ones where AMX-INT8 is granted too; the
+packing tests run everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_amx import RANDOM, random_q4_1, random_q8_0
+
+from pagellm.kernels import int8_tiles, ops
+from pagellm.quant.formats import PackedWeight
+
+needs_path = pytest.mark.skipif(not int8_tiles.available(), reason="no AVX-512 VNNI int8 tile path in this build")
+needs_tiles = pytest.mark.skipif(not int8_tiles.amx_ready(), reason="no AMX-INT8 tiles in this CPU, build or process")
+
+
+def codes(w: PackedWeight) -> torch.Tensor:
+    """The blocks' integer codes [N, K] in input order."""
+    if w.kind == "q8_0":
+        return w.qs.to(torch.int32)
+    q = w.qs.reshape(w.out_features, -1, 16)
+    return torch.cat([q & 15, q >> 4], dim=2).reshape(w.out_features, -1).to(torch.int32)
+
+
+def unpack(t: int8_tiles.Int8Tiles) -> torch.Tensor:
+    """The layout read back independently of the packer: code of (column n, input k) from its tile byte."""
+    n, k = t.out_features, t.in_features
+    out = torch.empty(n, k, dtype=torch.int32)
+    raw = t.codes.to(torch.int32)
+    for col in range(n):
+        s, c = divmod(col, 16)
+        for kk in range(k):
+            b, j, i = kk // 32, kk % 32 // 4, kk % 4
+            if t.kind == "q8_0":
+                out[col, kk] = raw[s, b, j, 4 * c + i] - 128
+            else:
+                byte = raw[s, b, j % 4, 4 * c + i]
+                out[col, kk] = byte & 15 if j < 4 else byte >> 4
+    return out
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_pack_puts_each_code_in_its_tile_byte_with_scales_per_strip(kind):
+    w = RANDOM[kind](32, 64, seed=3)
+    t = int8_tiles.pack(w)
+    assert t.codes.shape == (2, 2, 4 if kind == "q4_1" else 8, 64) and t.codes.dtype == torch.uint8
+    assert torch.equal(unpack(t), codes(w))
+    assert torch.equal(t.d[1, 0], w.d[16:32, 0])  # strip 1, block 0: columns 16..31's scales
+    if kind == "q4_1":
+        assert torch.equal(t.m[0, 1], w.m[:16, 1])
+
+
+def test_packs_only_q4_1_and_q8_0_in_natural_order_with_whole_strips():
+    assert int8_tiles.packs(random_q4_1(16, 32)) and int8_tiles.packs(random_q8_0(48, 64))
+    assert not int8_tiles.packs(random_q4_1(24, 64))  # N not a multiple of 16
+    w = random_q4_1(16, 64)
+    w.perm = torch.arange(64)
+    assert not int8_tiles.packs(w)
+    with pytest.raises(ValueError, match="no tile order"):
+        int8_tiles.pack(w)
+
+
+def reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    return x.double() @ w.dequantize().double().t()
+
+
+@needs_path
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_a_row_gives_the_same_bits_in_any_call_and_stays_near_the_float_product(kind, planes):
+    torch.manual_seed(planes)
+    w = RANDOM[kind](96, 576, seed=1)
+    t = int8_tiles.pack(w)
+    x = torch.randn(37, 576)
+    alone = torch.cat([int8_tiles.linear(x[i:i + 1], t, planes) for i in range(37)])
+    for rows in (2, 5, 10, 11, 17, 37):  # both sides of the VNNI / tile limit, partial tiles
+        assert torch.equal(int8_tiles.linear(x[:rows], t, planes), alone[:rows]), rows
+    assert torch.equal(int8_tiles.linear(x, t, planes, "vnni"), alone)
+    ref = reference(x, w)
+    err = ((alone.double() - ref).abs().max() / ref.abs().max()).item()
+    # one plane: x's int8 rounding (llama.cpp's scheme); two: ~15 bits, float32-level (test_kernels.py's bounds)
+    assert err < (2e-2 if planes == 1 else 2e-4)
+    old = ops.packed_linear(x, w, planes)  # the natural-order VNNI kernel rounds x the same way
+    assert ((alone - old).abs().max() / ref.abs().max()).item() < (1e-5 if planes == 2 else 1e-4)
+
+
+@needs_tiles
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_tiles_and_vnni_give_the_same_bits(kind):
+    torch.manual_seed(5)
+    w = RANDOM[kind](64, 1536, seed=2)
+    t = int8_tiles.pack(w)
+    for rows in (1, 3, 16, 20):
+        x = torch.randn(rows, 1536) * 3
+        for planes in (1, 2):
+            assert torch.equal(int8_tiles.linear(x, t, planes, "tiles"), int8_tiles.linear(x, t, planes, "vnni"))
+
+
+@needs_path
+def test_bad_shapes_are_refused_not_computed():
+    t = int8_tiles.pack(random_q4_1(16, 64))
+    with pytest.raises(ValueError, match="columns"):
+        int8_tiles.linear(torch.randn(2, 32), t, 2)
+    assert int8_tiles.linear(torch.randn(0, 64), t, 2).shape == (0, 16)
