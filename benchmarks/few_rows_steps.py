@@ -24,7 +24,8 @@ def main() -> None:
     engines = {}
     for limit in limits:
         # read when the engine's ops are chosen
-        cpu.BF16_PACKED_MAX_ROWS = cpu.INT8_PACKED_MAX_ROWS = cpu.AMX_PACKED_MAX_ROWS = cpu.AMX_INT8_PACKED_MAX_ROWS = limit
+        cpu.BF16_PACKED_MAX_ROWS = cpu.INT8_PACKED_MAX_ROWS = limit
+        cpu.AMX_PACKED_MAX_ROWS = cpu.AMX_INT8_PACKED_MAX_ROWS = limit
         engines[limit] = LLM(None, dtype="auto", enable_prefix_caching=False)
         engines[limit].generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     wl = random_workload(batch, 49152, (100, 200), (64, 64), 0)
