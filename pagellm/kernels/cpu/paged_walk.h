@@ -24,9 +24,15 @@ struct AttentionArgs {
     bool prefetch = false;  // ask for each key's next-block successor ahead (for_each_key)
 };
 
+// How far ahead (in keys) a many-row walk asks for keys, whatever the block size. On the Xeon VM with 16-token
+// blocks (benchmarks/NOTES.md, sixteenth session): W2 offline 590-613 tok/s one block (16 keys) ahead, 623-636 at
+// 32, 601-642 at 64, 605-612 at 128 (as with 32- or 64-token blocks: 620-639); microbench_attention.py's 30 caches
+// in turn 1.00-1.04 / 0.96-0.97 / 0.96-1.00 ms at 16 / 32 / 64, in cache 0.55 / 0.54-0.58 / 0.64-0.65.
+constexpr int64_t PREFETCH_KEYS = 32;
+
 // Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0. Given pf (where
-// the walked rows start, K or V) and a.prefetch, it also asks for each key's successor in the row's next
-// block: blocks lie in random order, and the hardware prefetcher loses the stream at every block's end.
+// the walked rows start, K or V) and a.prefetch, it also asks for the key PREFETCH_KEYS further on, through the
+// block table: blocks lie in random order, and the hardware prefetcher loses the stream at every block's end.
 // Many-row steps find their keys in memory, not cache (64 rows x 300 keys over 30 layers' caches: 16-21%
 // faster, benchmarks/NOTES.md, eleventh session); one row's keys stay cached from token to token, where
 // the prefetches cost 3-6%, so few-row steps go without.
@@ -34,17 +40,16 @@ template <typename T, typename F>
 inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f,
                          const T* pf = nullptr) {
     const int bs = a.block_size;
-    const int64_t last_block = pos / bs;
     const int64_t row_bytes = (int64_t)a.D * sizeof(T);
     const bool prefetch = a.prefetch && pf != nullptr;
     for (int64_t j = first; j <= pos;) {
         const int64_t b = j / bs;
         const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
         int64_t off = (table[b] * bs + j % bs) * a.stride;
-        const int64_t next = prefetch && b < last_block ? (table[b + 1] * bs + j % bs) * a.stride : -1;
-        for (int64_t i = j - first, n = 0; i < j - first + count; ++i, ++n, off += a.stride) {
-            if (next >= 0) {
-                const char* p = reinterpret_cast<const char*>(pf + next + n * a.stride);
+        for (int64_t i = j - first, k = j; i < j - first + count; ++i, ++k, off += a.stride) {
+            if (prefetch && k + PREFETCH_KEYS <= pos) {
+                const int64_t ahead = k + PREFETCH_KEYS;
+                const char* p = reinterpret_cast<const char*>(pf + (table[ahead / bs] * bs + ahead % bs) * a.stride);
                 for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
             }
             f(i, off);
