@@ -20,11 +20,8 @@ KINDS = {"q4_1": 0, "q8_0": 1}  # the kernel's kind codes
 
 
 @dataclass
-class AmxBlocks:
-    """A q4_1 or q8_0 weight in tile order, per strip of 32 columns, block of 32 inputs and group of 16 columns:
-    codes [N/32, K/32, 2, 16, B] for tile rows r = 0..15, lane L being column L // 2 of the group and input
-    2 r + L % 2 of the block (q4_1, B = 16 bytes: byte i holds lane i low, lane 16 + i high; q8_0, B = 32: lane
-    L's code at L); d (and q4_1's m) float32 [N/32, K/32, 2, 16]."""
+class TiledBlocks:
+    """A q4_1 or q8_0 weight's blocks repacked once for a tile kernel (the layout: each subclass)."""
 
     kind: str
     codes: torch.Tensor
@@ -36,6 +33,13 @@ class AmxBlocks:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
+
+
+class AmxBlocks(TiledBlocks):
+    """A q4_1 or q8_0 weight in tile order, per strip of 32 columns, block of 32 inputs and group of 16 columns:
+    codes [N/32, K/32, 2, 16, B] for tile rows r = 0..15, lane L being column L // 2 of the group and input
+    2 r + L % 2 of the block (q4_1, B = 16 bytes: byte i holds lane i low, lane 16 + i high; q8_0, B = 32: lane
+    L's code at L); d (and q4_1's m) float32 [N/32, K/32, 2, 16]."""
 
 
 @functools.cache
@@ -50,16 +54,21 @@ def packs(w: PackedWeight) -> bool:
     return w.kind in KINDS and w.perm is None and w.out_features % STRIP == 0 and w.in_features % BLOCK == 0
 
 
+def block_codes(w: PackedWeight) -> torch.Tensor:
+    """A q4_1 or q8_0 weight's codes [N, K/32, 32] in input order (a q4_1 byte j holds inputs j and j + 16)."""
+    n, nb = w.out_features, w.in_features // BLOCK
+    if w.kind == "q4_1":
+        q = w.qs.reshape(n, nb, BLOCK // 2)
+        return torch.cat([q & 15, q >> 4], dim=2)
+    return w.qs.reshape(n, nb, BLOCK)
+
+
 def pack(w: PackedWeight) -> AmxBlocks:
     if not packs(w):
         raise ValueError(f"amx.pack: a {w.kind} weight [{w.out_features}, {w.in_features}] has no tile order")
     n, k = w.out_features, w.in_features
     g, nb = n // TILE_COLUMNS, k // BLOCK
-    if w.kind == "q4_1":
-        q = w.qs.reshape(n, nb, BLOCK // 2)
-        codes = torch.cat([q & 15, q >> 4], dim=2)  # [n, nb, 32] in input order (byte j: inputs j and j + 16)
-    else:
-        codes = w.qs.reshape(n, nb, BLOCK)
+    codes = block_codes(w)
     lanes = codes.reshape(g, TILE_COLUMNS, nb, 16, 2).permute(0, 2, 3, 1, 4).reshape(g, nb, 16, 32)
     if w.kind == "q4_1":
         lanes = lanes[..., :16] | (lanes[..., 16:] << 4)

@@ -7,10 +7,10 @@ tiles at nearly the cost of one row and still give exactly the tokens one-row de
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
+from pagellm.kernels.amx import TiledBlocks, block_codes
 from pagellm.kernels.build import cpu_kernels, library
 from pagellm.quant.formats import PackedWeight
 
@@ -19,22 +19,10 @@ KINDS = {"q4_1": 0, "q8_0": 1}  # the kernel's kind codes
 METHODS = {"auto": 0, "vnni": 1, "tiles": 2}
 
 
-@dataclass
-class Int8Tiles:
+class Int8Tiles(TiledBlocks):
     """codes uint8 [N/16, K/32, R, 64]: per strip of 16 columns and block of 32 inputs, the block as an AMX B tile
     in VNNI order (row j: inputs 4j..4j+3, column c at bytes 4c..4c+3); q8_0: R = 8, codes + 128; q4_1: R = 4,
     row j's code in the low nibble and row j + 4's in the high one. d (q4_1's m) float32 [N/16, K/32, 16]."""
-
-    kind: str
-    codes: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None
-    out_features: int
-    in_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m) if t is not None)
 
 
 @functools.cache
@@ -60,11 +48,9 @@ def pack(w: PackedWeight) -> Int8Tiles:
         raise ValueError(f"int8_tiles.pack: a {w.kind} weight [{w.out_features}, {w.in_features}] has no tile order")
     n, k = w.out_features, w.in_features
     s, nb = n // COLUMNS, k // BLOCK
-    if w.kind == "q4_1":
-        q = w.qs.reshape(n, nb, BLOCK // 2)
-        codes = torch.cat([q & 15, q >> 4], dim=2)  # [n, nb, 32] in input order (byte j: inputs j and j + 16)
-    else:
-        codes = (w.qs.reshape(n, nb, BLOCK).to(torch.int16) + 128).to(torch.uint8)
+    codes = block_codes(w)
+    if w.kind == "q8_0":  # unsigned for vpdpbusd / tdpbsud: the kernel takes 128 x sum(x) back off
+        codes = (codes.to(torch.int16) + 128).to(torch.uint8)
     # [strip, column, block, row j, byte i] -> [strip, block, row j, column, byte i]
     tiles = codes.reshape(s, COLUMNS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(s, nb, 8, 64)
     if w.kind == "q4_1":
