@@ -41,8 +41,10 @@ INT8_PACKED_MAX_ROWS = 12
 # into AMX tiles (kernels/amx.py) instead of the oneDNN product on the bf16 copy: one decode step's 120 layer
 # products on the Xeon VM, cold weights (benchmarks/microbench_amx.py): 1.9x at 16 rows, 1.4x at 48, 1.14-1.3x at
 # 64; past that the products wait on the tiles, not on memory, and oneDNN's blocking wins (about even at 128,
-# 0.76x at 256).
-AMX_MAX_ROWS = 64
+# 0.76x at 256). A 128-token prompt's TTFT (a one-request prefill of 128 rows, 12 prompts each, alternating) at
+# 64 / 128: medians 46.6 / 44.9, 50.5 / 45.6, 48.6 / 47.6, 48.0 / 45.5 ms; 100 tokens 40.5 / 40.8; W2 offline 660 /
+# 641 vs 637 / 646 tok/s (benchmarks/NOTES.md, sixteenth session).
+AMX_MAX_ROWS = 128
 # With AMX products past them, the few-row kernels keep steps of at most this many rows (int8 activations or
 # not): whole decode steps under auto on the Xeon VM (benchmarks/few_rows_steps.py BATCH LIMITS, wall s of three
 # runs), packed vs AMX, both in the one-call decoder: batch 4 2.19-2.32 vs 2.28-2.48, 5 2.7 vs 2.7 (less CPU),
