@@ -89,29 +89,35 @@ def test_stepping_processes_bound_libgomp_spin_unless_the_user_chose():
         assert bounded_spin_env(chosen) == chosen
 
 
-# Run in a fresh interpreter: what earlier tests left in this process's heap (live blocks at its top, another
-# arena) decides where a 16 MiB block lands, and once made this check fail in a full run where it passes alone.
+# Run in a fresh interpreter, with glibc's malloc directly: what earlier tests left in this process's heap, and
+# torch's 64-byte-aligned allocations (posix_memalign asks for more than the freed block, so it may land past it
+# and grow the heap however the trim threshold is set), decide where a block lands; with both, this check failed
+# in a full run and in 4 of 12 fresh runs here.
 _FAULTS_OF_A_STEP = """
-import resource, sys, torch
+import ctypes, resource, sys
 from pagellm.platforms import cpu
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 with cpu.CpuPlatform().loading():
     pass
 if sys.argv[1] == "old":  # the threshold glibc pinned at 128 KiB before loading() raised it
     cpu._mallopt(cpu.M_TRIM_THRESHOLD, 128 << 10)
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    x = torch.ones(4 << 20)  # 16 MiB, below the mmap threshold: from the heap, every page written
-    del x
+    p = libc.malloc(16 << 20)  # 16 MiB, below the mmap threshold: from the heap's top, every page written
+    libc.memset(p, 1, 16 << 20)
+    libc.free(p)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 faults()
-print(min(faults() for _ in range(2)))
+print(max(faults() for _ in range(3)))
 """
 
 
 @pytest.mark.skipif(not hasattr(__import__("resource"), "getrusage"), reason="needs getrusage")
 def test_memory_a_step_freed_is_not_faulted_in_again():
     """After loading, a step's freed activations stay in the heap for the next step (glibc's trim threshold):
-    reallocating 16 MiB costs no page faults, where the old 128 KiB threshold gave it back (4,096 faults)."""
+    reallocating 16 MiB costs no page faults, where the old 128 KiB threshold gave it back (4,064 faults)."""
     import subprocess
     import sys
 
@@ -121,4 +127,4 @@ def test_memory_a_step_freed_is_not_faulted_in_again():
         return int(run.stdout.split()[-1])
 
     assert faults("old") >= 4000  # the control: the check can fail
-    assert faults("loading") < 1024
+    assert faults("loading") < 256
