@@ -41,7 +41,7 @@ INT8_PACKED_MAX_ROWS = 12
 # into AMX tiles (kernels/amx.py) instead of the oneDNN product on the bf16 copy: one decode step's 120 layer
 # products on the Xeon VM, cold weights (benchmarks/microbench_amx.py): 1.9x at 16 rows, 1.4x at 48, 1.14-1.3x at
 # 64; past that the products wait on the tiles, not on memory, and oneDNN's blocking wins (about even at 128,
-# 0.76x at 256). A 128-token prompt's TTFT (a one-request prefill of 128 rows, 12 prompts each, alternating) at
+# 0.76x at 256). A 128-token prompt's TTFT (benchmarks/prefill_ttft.py LIMIT 128: 12 one-request prefills) at
 # 64 / 128: medians 46.6 / 44.9, 50.5 / 45.6, 48.6 / 47.6, 48.0 / 45.5 ms; 100 tokens 40.5 / 40.8; W2 offline 660 /
 # 641 vs 637 / 646 tok/s (benchmarks/NOTES.md, sixteenth session).
 AMX_MAX_ROWS = 128

@@ -138,12 +138,12 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer) -> None:
         super().process_after_loading(layer)  # the bfloat16 copy, from the blocks
-        self.pack_amx(layer)
+        self.pack_tile_orders(layer)
         # A kind no kernel reads keeps its float copy: that is what it computes with.
         if self.choices.packed_weights_only and self.reads_blocks(layer.packed):
             drop_float_weight(layer)
 
-    def pack_amx(self, layer) -> None:
+    def pack_tile_orders(self, layer) -> None:
         """The blocks in AMX tile order where the platform chose AMX products and the kernel takes the kind, and
         in the int8 tile order where few-row products run on int8 activations and the build has that path (every
         row then the same bits whatever the rows in the step: int8_tiles)."""

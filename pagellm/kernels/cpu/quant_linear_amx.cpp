@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAGELLM_AMX 1
 #include <immintrin.h>
@@ -26,16 +28,6 @@
 namespace {
 
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-
-struct alignas(64) TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-inline uint16_t* aligned64(uint16_t* p) {  // the first 64-byte boundary at or after p
-    return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
-}
 
 // Tiles 0-3: C (rows 0-15 / 16-31 of x times columns 0-15 / 16-31 of the strip), 4-5: A, 6-7: B; all
 // 16 rows of 64 bytes.

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "quant_linear_vnni.h"
 
 #ifdef PAGELLM_VNNI512
@@ -52,7 +53,7 @@ Rows prepare(const float* x, int64_t ldx, int M, int K, int planes, int pad) {
     r.M = M, r.K = K, r.nb = K / BLOCK, r.Mpad = (M + pad - 1) / pad * pad;
     const size_t plane = (size_t)r.Mpad * K;
     r.raw.assign(planes * plane + 64, 0);
-    int8_t* base = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(r.raw.data()) + 63) & ~uintptr_t(63));
+    int8_t* base = aligned64(r.raw.data());
     r.q[0] = base, r.q[1] = planes == 2 ? base + plane : nullptr;
     r.scale.assign((size_t)r.Mpad * r.nb, 0.f);
     r.sum.assign((size_t)r.Mpad * r.nb, 0.f);
@@ -69,12 +70,8 @@ Rows prepare(const float* x, int64_t ldx, int M, int K, int planes, int pad) {
             int32_t total = 0;
             for (int k = 0; k < BLOCK; ++k) total += q0[k];
             if (planes == 2) {  // the rounding error in steps of d / 128, as quant_linear_vnni.h's prepare
-                const __m512 fine = _mm512_set1_ps(vnni512::inv_d(d) * 128.f), dv = _mm512_set1_ps(d);
-                const __m512 e0 = _mm512_sub_ps(x0, _mm512_mul_ps(dv, v0)), e1 = _mm512_sub_ps(x1, _mm512_mul_ps(dv, v1));
                 int8_t* q1 = r.q[1] + (size_t)i * K + b * BLOCK;
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(q1), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e0, fine))));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 16),
-                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e1, fine))));
+                vnni512::round_error(x0, x1, v0, v1, d, q1, q1 + 16);
                 total *= 128;
                 for (int k = 0; k < BLOCK; ++k) total += q1[k];
             }
@@ -172,12 +169,6 @@ void vnni_rows(const Rows& x, const uint8_t* codes, const float* d, const float*
 }
 
 #ifdef PAGELLM_AMX_INT8
-struct alignas(64) TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 // Tiles 0-1: A (16 rows of x's block, planes 0 and 1: 32 bytes), 2: B (the block's 8 rows of 64 bytes),
 // 3-4: C (16 rows x 16 int32 sums, per plane).
 void configure_int8_tiles() {
@@ -245,7 +236,7 @@ int run(const float* xf, int64_t ldx, int M, int K, const uint8_t* codes, const 
     {
 #ifdef PAGELLM_AMX_INT8
         std::vector<uint8_t> raw(tiles && !Q8 ? (size_t)nb * 512 + 64 : 0);
-        uint8_t* unpacked = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+        uint8_t* unpacked = aligned64(raw.data());
         if (tiles) configure_int8_tiles();
 #endif
 #pragma omp for schedule(static)

@@ -50,6 +50,16 @@ inline float round_block(__m512& v0, __m512& v1, int8_t* lo, int8_t* hi) {
     return d;
 }
 
+// The second plane of a block (two-plane mode): x's rounding error after round_block (x = d v + e, |e| <= d / 2)
+// in steps of d / 128, within -64..64, stored as two 16-byte halves at lo and hi.
+inline void round_error(__m512 x0, __m512 x1, __m512 v0, __m512 v1, float d, int8_t* lo, int8_t* hi) {
+    const __m512 fine = _mm512_set1_ps(inv_d(d) * 128.f);
+    const __m512 e0 = _mm512_sub_ps(x0, _mm512_mul_ps(_mm512_set1_ps(d), v0));
+    const __m512 e1 = _mm512_sub_ps(x1, _mm512_mul_ps(_mm512_set1_ps(d), v1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e0, fine))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e1, fine))));
+}
+
 // x [M, K] (row stride ldx) rounded to int8 per 32-value block, straight into the layout above, with each
 // block's float sum (for q4_1/q8_1 minimums); planes 2 also rounds each block's rounding error to int8 in
 // steps of d / 128 (x = d (q + q2 / 128) + e, |e| <= d / 256: ~15 bits of each block's largest value), and
@@ -73,15 +83,9 @@ void prepare(const float* x, int64_t ldx, int M, int K, int planes, Rows* out, s
             int8_t* dst = out[0].q.data() + at * bytes;
             const float d = round_block(v0, v1, dst + lo_at, dst + hi_at);
             for (int l = 0; l < lanes; ++l) out[0].scale[at * 16 + j * lanes + l] = planes == 2 ? d / 128.f : d;
-            if (planes == 2) {  // the rounding error, |e| <= d / 2, in steps of d / 128: within -64..64
-                const __m512 fine = _mm512_set1_ps(inv_d(d) * 128.f);
-                const __m512 e0 = _mm512_sub_ps(x0, _mm512_mul_ps(_mm512_set1_ps(d), v0));
-                const __m512 e1 = _mm512_sub_ps(x1, _mm512_mul_ps(_mm512_set1_ps(d), v1));
+            if (planes == 2) {
                 int8_t* dst2 = out[1].q.data() + at * bytes;
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst2 + lo_at),
-                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e0, fine))));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(dst2 + hi_at),
-                                 _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(e1, fine))));
+                round_error(x0, x1, v0, v1, d, dst2 + lo_at, dst2 + hi_at);
             }
         }
 }

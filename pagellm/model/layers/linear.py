@@ -69,7 +69,7 @@ class Linear(nn.Module):
             self.packed = None if packed is None else packed.columns(a, b)
             self.in_features, self.reduce = b - a, reduce
         if self.amx_blocks is not None or self.int8_tiles is not None:  # the tile orders of the cut blocks
-            self.quant_method.pack_amx(self)
+            self.quant_method.pack_tile_orders(self)
 
     def drop_weights(self) -> None:
         """Another pipeline stage computes with this layer: free every copy."""
