@@ -95,6 +95,23 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(amx.linear(x[lo:hi], t), whole[lo:hi])
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [7, 16, 37, 130])
+def test_bf16_rows_read_in_place_or_copied_give_the_same_bits(rows):
+    """bf16 x whose rows sit on cache-line boundaries is read in place (a last partial row tile copied with zero
+    rows), other x copied by the threads (float32 rounded on the way): the same product either way."""
+    w = random_q4_1(64, 576, seed=rows)
+    t = amx.pack(w)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    assert x.data_ptr() % 64 == 0  # torch's CPU allocator: the in-place path
+    in_place = amx.linear(x, t)
+    unaligned = torch.empty(rows, 600, dtype=torch.bfloat16)[:, 3:579]  # rows 1,200 bytes apart, off a line
+    unaligned.copy_(x)
+    assert torch.equal(amx.linear(unaligned, t), in_place)
+    assert torch.equal(amx.linear(x.float(), t), in_place)  # x already bf16-exact: rounding changes nothing
+    assert torch.equal(amx.linear(x[1:], t), in_place[1:])  # a view one row (1,152 bytes) on: in place again
+
+
 def test_platform_chooses_amx_only_under_auto_where_tiles_run(monkeypatch):
     import pagellm.platforms.cpu as cpu
     from pagellm.kernels.build import build_info

@@ -38,13 +38,13 @@ BF16_PACKED_MAX_ROWS = 6
 # packed vs bf16 (benchmarks/few_rows_steps.py): 1.25x at 8 rows, 1.15x at 12, even at 16 (NOTES, 13th session).
 INT8_PACKED_MAX_ROWS = 12
 # Under auto with AMX-BF16, many-row products of q4_1 and q8_0 blocks up to this many rows dequantize the blocks
-# into AMX tiles (kernels/amx.py) instead of the oneDNN product on the bf16 copy: one decode step's 120 layer
-# products on the Xeon VM, cold weights (benchmarks/microbench_amx.py): 1.9x at 16 rows, 1.4x at 48, 1.14-1.3x at
-# 64; past that the products wait on the tiles, not on memory, and oneDNN's blocking wins (about even at 128,
-# 0.76x at 256). A 128-token prompt's TTFT (benchmarks/prefill_ttft.py LIMIT 128: 12 one-request prefills) at
-# 64 / 128: medians 46.6 / 44.9, 50.5 / 45.6, 48.6 / 47.6, 48.0 / 45.5 ms; 100 tokens 40.5 / 40.8; W2 offline 660 /
-# 641 vs 637 / 646 tok/s (benchmarks/NOTES.md, sixteenth session).
-AMX_MAX_ROWS = 128
+# into AMX tiles (kernels/amx.py) instead of the oneDNN product on the bf16 copy. 120 layer products, cold weights
+# (benchmarks/microbench_amx.py, seventeenth session, after the 2 x 2 passes and reading bf16 x in place): 2.3x
+# at 32 rows, 1.5x at 128, 1.07-1.09x at 192-256, 1.15-1.3x at 384-1024; past 1,024 rows oneDNN changes its
+# blocking and wins (1,536 rows 0.71x, 2,048 0.50x). TTFT (benchmarks/prefill_ttft.py LIMIT TOKENS, 128 vs 1024,
+# alternating): 256 tokens 77.4 vs 73.6 ms, 512 tokens 147.5 / 145.8 vs 127.7 / 125.1, 1,024 tokens 279.9 /
+# 292.4 vs 281.5 / 267.6 (benchmarks/NOTES.md).
+AMX_MAX_ROWS = 1024
 # With AMX products past them, the few-row kernels keep steps of at most this many rows (int8 activations or
 # not): whole decode steps under auto on the Xeon VM (benchmarks/few_rows_steps.py BATCH LIMITS, wall s of three
 # runs), packed vs AMX, both in the one-call decoder: batch 4 2.19-2.32 vs 2.28-2.48, 5 2.7 vs 2.7 (less CPU),

@@ -23,7 +23,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <vector>
+#include <memory>
 
 namespace {
 
@@ -104,16 +104,27 @@ inline void store_rows(const float* c, int ldc, int rows, int w, void* out, int6
     }
 }
 
-// One block's products for a pass of 32 rows (16 where `two` is false) against the strip's two B tiles t:
-// two A and two B tiles for four products. (A row pointer a of x in bf16 with row stride ldx bytes.)
-inline void pass_block(const uint16_t* a, int64_t ldx, int K, const uint16_t* t, bool two) {
-    _tile_loadd(4, a, ldx);
-    _tile_loadd(6, t, 64);
-    _tile_loadd(7, t + 512, 64);
+// x's rows in bf16 as the A tiles read them: row tile t (rows 16 t ..) at base + 16 t ld (ld elements per
+// row), except a last partial one, which is a copy padded with zero rows at `tail` (same row stride).
+struct XRows {
+    const uint16_t* base;
+    int64_t ld;
+    int full;  // whole row tiles at base
+    const uint16_t* tail;
+    const uint16_t* tile(int t) const { return t < full ? base + (int64_t)t * 16 * ld : tail; }
+};
+
+// Block b's products for a pass of row tiles t, t + 1 (t alone where `two` is false) against the strip's two
+// B tiles at tb: two A and two B tiles for four products.
+inline void pass_block(const XRows& x, int t, int b, const uint16_t* tb, bool two) {
+    const int64_t stride = x.ld * 2;
+    _tile_loadd(4, x.tile(t) + b * 32, stride);
+    _tile_loadd(6, tb, 64);
+    _tile_loadd(7, tb + 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (two) {
-        _tile_loadd(5, a + 16 * (int64_t)K, ldx);
+        _tile_loadd(5, x.tile(t + 1) + b * 32, stride);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
@@ -144,24 +155,34 @@ inline void zero_c() {
 // later rows loaded a whole A tile per product, and L2 could not keep up: 120 products of 128 rows 19.5-20.3
 // -> 17.3-17.5 ms). out: float32 or bf16 rows of N (row stride ldy).
 template <bool Q8>
-void strip(const uint16_t* xb, int Mpad, int K, const uint8_t* codes, const float* d, const float* m, int s,
+void strip(const XRows& x, int Mpad, int K, const uint8_t* codes, const float* d, const float* m, int s,
            void* out, int64_t ldy, bool out_bf16, int M, uint16_t* tiles, float* c) {
     const int nb = K / 32;
-    const int64_t ldx = (int64_t)K * 2;
     dequantize_block<Q8>(codes, d, m, s, nb, 0, tiles);
     zero_c();
     for (int b = 0; b < nb; ++b) {
         if (b + 1 < nb) dequantize_block<Q8>(codes, d, m, s, nb, b + 1, tiles);
-        pass_block(xb + b * 32, ldx, K, tiles + (int64_t)b * 1024, Mpad >= 32);
+        pass_block(x, 0, b, tiles + (int64_t)b * 1024, Mpad >= 32);
     }
     finish_pass(c, Mpad >= 32, std::min(M, 32), out, ldy, out_bf16, 0, s);
     for (int r0 = 32; r0 < Mpad; r0 += 32) {
         const bool two = Mpad - r0 >= 32;
-        const uint16_t* a = xb + (int64_t)r0 * K;
         zero_c();
-        for (int b = 0; b < nb; ++b) pass_block(a + b * 32, ldx, K, tiles + (int64_t)b * 1024, two);
+        for (int b = 0; b < nb; ++b) pass_block(x, r0 / 16, b, tiles + (int64_t)b * 1024, two);
         finish_pass(c, two, std::min(M - r0, 32), out, ldy, out_bf16, r0, s);
     }
+}
+
+// Row r of x (float32 or bf16, row stride ldx) into dst as K bf16 values.
+inline void row_to_bf16(const void* x, int64_t ldx, bool x_bf16, int r, int K, uint16_t* dst) {
+    if (x_bf16) {
+        std::memcpy(dst, static_cast<const uint16_t*>(x) + r * ldx, (size_t)K * 2);
+        return;
+    }
+    const float* src = static_cast<const float*>(x) + r * ldx;
+    for (int k = 0; k < K; k += 32)  // nearest even, as torch's .to(torch.bfloat16)
+        _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16),
+                                                                  _mm512_loadu_ps(src + k)));
 }
 
 }  // namespace
@@ -186,35 +207,37 @@ extern "C" int pagellm_packed_linear_amx(int kind, const void* x, int64_t ldx, i
 #ifdef PAGELLM_AMX
     if (!pagellm_amx_ready() || N % 32 || K % 32 || M < 1 || kind < 0 || kind > 1) return -1;
     const int Mpad = (M + 15) / 16 * 16;
-    // x in bf16, zero rows up to a whole tile, 64-byte aligned (a tile row split across two cache lines
-    // costs every A tile load twice)
-    std::vector<uint16_t> xb_raw((size_t)Mpad * K + 32, 0);
-    uint16_t* xb = aligned64(xb_raw.data());
-    for (int r = 0; r < M; ++r) {
-        uint16_t* dst = xb + (size_t)r * K;
-        if (x_bf16) {
-            std::memcpy(dst, static_cast<const uint16_t*>(x) + r * ldx, (size_t)K * 2);
-            continue;
-        }
-        const float* src = static_cast<const float*>(x) + r * ldx;
-        for (int k = 0; k < K; k += 32)  // nearest even, as torch's .to(torch.bfloat16)
-            _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16),
-                                                                      _mm512_loadu_ps(src + k)));
-    }
+    // bf16 rows whose tile rows never straddle a cache line are read in place (a row split across two lines
+    // costs every A tile load twice); other x is copied (float32: rounded) by the threads themselves into an
+    // aligned buffer, the single-threaded copy cost ~1.5 of a 128-token prefill's ~45 ms
+    const bool in_place = x_bf16 && reinterpret_cast<uintptr_t>(x) % 64 == 0 && ldx * 2 % 64 == 0;
+    const int64_t ld = in_place ? ldx : K;
+    const int full = in_place ? M / 16 : 0, copied = Mpad - 16 * full;
+    std::unique_ptr<uint16_t[]> buf(new uint16_t[(size_t)copied * ld + 32]);
+    uint16_t* own = aligned64(buf.get());
+    const XRows rows{in_place ? static_cast<const uint16_t*>(x) : own, ld, in_place ? full : Mpad / 16, own};
     const int nstrips = N / 32;
     nthreads = std::max(1, std::min(nthreads, nstrips));
 #pragma omp parallel num_threads(nthreads)
     {
-        std::vector<uint16_t> tiles_raw((size_t)K / 32 * 1024 + 32);  // a strip's B tiles
-        uint16_t* tiles = aligned64(tiles_raw.data());
+#pragma omp for schedule(static)
+        for (int r = 16 * full; r < Mpad; ++r) {
+            uint16_t* dst = own + (int64_t)(r - 16 * full) * ld;
+            if (r < M)
+                row_to_bf16(x, ldx, x_bf16, r, K, dst);
+            else
+                std::memset(dst, 0, (size_t)K * 2);
+        }
+        std::unique_ptr<uint16_t[]> tiles_buf(new uint16_t[(size_t)K / 32 * 1024 + 32]);  // a strip's B tiles
+        uint16_t* tiles = aligned64(tiles_buf.get());
         alignas(64) float c[32 * 32];  // a pass's results
         configure_tiles();
 #pragma omp for schedule(static)
         for (int s = 0; s < nstrips; ++s) {
             if (kind == 1)
-                strip<true>(xb, Mpad, K, codes, d, m, s, y, ldy, y_bf16, M, tiles, c);
+                strip<true>(rows, Mpad, K, codes, d, m, s, y, ldy, y_bf16, M, tiles, c);
             else
-                strip<false>(xb, Mpad, K, codes, d, m, s, y, ldy, y_bf16, M, tiles, c);
+                strip<false>(rows, Mpad, K, codes, d, m, s, y, ldy, y_bf16, M, tiles, c);
         }
         _tile_release();
     }
