@@ -20,6 +20,8 @@ FIRST_TOKEN_TOL = 0.1  # nats
 
 needs_kernel = pytest.mark.skipif(not ops.has_bf16_prefill_attention(),
                                   reason="this build has no bf16 prefill attention (no AVX-512 BF16)")
+needs_tiles = pytest.mark.skipif(not ops.has_amx_prefill_attention(),
+                                 reason="no AMX-BF16 tiles in this CPU, build or process")
 
 
 def _paged(nq: int, seq_len: int, dtype: torch.dtype, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0):
@@ -41,21 +43,38 @@ def _paged(nq: int, seq_len: int, dtype: torch.dtype, heads=9, kv_heads=3, head_
 @needs_kernel
 @pytest.mark.parametrize("nq,seq_len", [(17, 17), (33, 50), (100, 100), (40, 1000), (300, 333), (1, 1)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_matches_float32_sdpa_within_bf16_rounding(nq, seq_len, dtype):
+@pytest.mark.parametrize("tiles", [False, True])  # AMX tiles where they run here (else vdpbf16ps both times)
+def test_matches_float32_sdpa_within_bf16_rounding(nq, seq_len, dtype, tiles):
     q, cache, table, ref = _paged(nq, seq_len, dtype)
-    out = ops.prefill_attention_bf16(q, cache, table, seq_len, 64 ** -0.5)
+    out = ops.prefill_attention_bf16(q, cache, table, seq_len, 64 ** -0.5, tiles=tiles)
     err = (out - ref).abs()
     assert err.max() < MAX_ABS_TOL and err.mean() < MEAN_ABS_TOL
     assert err.max() > 0  # bf16 really ran (a float32 path would be within 1e-5)
 
 
 @needs_kernel
-def test_strided_query_rows_and_head_dim_128():
+@pytest.mark.parametrize("tiles", [False, True])
+def test_strided_query_rows_and_head_dim_128(tiles):
     q, cache, table, ref = _paged(70, 90, torch.float16, heads=4, kv_heads=2, head_dim=128)
     wide = torch.zeros(70, 2 * 4 * 128)
     wide[:, : 4 * 128] = q.reshape(70, -1)  # rows of a fused qkv output: stride 2 * H * D
-    out = ops.prefill_attention_bf16(wide[:, : 4 * 128].view(70, 4, 128), cache, table, 90, 128 ** -0.5)
+    out = ops.prefill_attention_bf16(wide[:, : 4 * 128].view(70, 4, 128), cache, table, 90, 128 ** -0.5, tiles=tiles)
     assert (out - ref).abs().max() < MAX_ABS_TOL
+
+
+@needs_tiles
+@pytest.mark.parametrize("nq,seq_len,head_dim", [(33, 77, 256), (16, 64, 64), (65, 130, 64), (5, 200, 128)])
+def test_tiles_are_their_own_products_within_the_same_bounds(nq, seq_len, head_dim):
+    """On AMX the products run on tiles (other summation orders than vdpbf16ps: not the same bits) and stay within
+    the kernel's bounds: head_dim up to 256 (output tiles in groups of four), row counts around whole 16-row items
+    and 64-key steps, a cached prefix."""
+    q, cache, table, ref = _paged(nq, seq_len, torch.float16, heads=4, kv_heads=2, head_dim=head_dim)
+    tiled = ops.prefill_attention_bf16(q, cache, table, seq_len, head_dim ** -0.5, tiles=True)
+    vector = ops.prefill_attention_bf16(q, cache, table, seq_len, head_dim ** -0.5, tiles=False)
+    assert not torch.equal(tiled, vector)
+    for out in (tiled, vector):
+        err = (out - ref).abs()
+        assert err.max() < MAX_ABS_TOL and err.mean() < MEAN_ABS_TOL
 
 
 @pytest.mark.parametrize("nq,seq_len", [(300, 333), (40, 1000), (17, 17)])
@@ -87,7 +106,9 @@ def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch)
     p = get_platform("cpu")
     assert p.bf16_prefill_attention(False, torch.float16) is None  # --dtype float32 stays exact
     assert p.bf16_prefill_attention(True, torch.int8) is None
-    expected = (None if not (p.bf16_dot_products and p.native_kernels) else "sdpa" if "amx_bf16" in p.isa
+    amx = "amx_bf16" in p.isa
+    expected = (None if not (p.bf16_dot_products and p.native_kernels)
+                else ("kernel" if ops.has_amx_prefill_attention() else "sdpa") if amx
                 else "kernel" if ops.has_bf16_prefill_attention() else None)
     assert p.bf16_prefill_attention(True, torch.float16) == expected
     chosen = p.bf16_prefill_attention(True, p.auto_kv_dtype(torch.float32))
@@ -95,7 +116,9 @@ def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch)
     assert ("prefill_attention " + PREFILL_ATTENTION[chosen]) in p.summary_line()
     if p.native_kernels:  # the platform decides from the ISA it probed, not from the build
         monkeypatch.setattr(p, "isa", [f for f in p.isa if f != "amx_bf16"] + ["amx_bf16"])
-        assert p.bf16_prefill_attention(True, torch.float16) == "sdpa"  # AMX: torch's SDPA on AMX tiles
+        # AMX: the own kernel on tiles where it has them, else torch's SDPA on oneDNN's tiles
+        assert p.bf16_prefill_attention(True, torch.float16) == ("kernel" if ops.has_amx_prefill_attention()
+                                                                 else "sdpa")
         monkeypatch.setattr(p, "isa", [f for f in p.isa if f != "amx_bf16"] + ["avx512_bf16"])
         assert p.bf16_prefill_attention(True, torch.float16) == ("kernel" if ops.has_bf16_prefill_attention() else None)
     monkeypatch.setattr(p, "isa", [f for f in p.isa if f not in ("avx512_bf16", "amx_bf16")])

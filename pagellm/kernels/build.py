@@ -41,7 +41,7 @@ ISA_MACROS = ["AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512B
 # Bit i of pagellm_build_features() (cpu/features.cpp): the hand-written kernel paths compiled into the
 # library (AVX2+FMA, F16C, VNNI; the compiler may still auto-vectorize plain loops for any ISA in "isa").
 PATHS = ["avx2-fma", "f16c-kv", "vnni-int8", "avx512-bf16-prefill-attention", "avx512-vnni-int8", "amx-bf16-q4",
-         "int8-tiles"]
+         "int8-tiles", "amx-prefill-attention"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -70,9 +70,9 @@ SIGNATURES = {
     "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p, _i32], _i32),
     "pagellm_paged_attention": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _p, _p, _i32, _f32,
                                  _p, _i32, _i32], _i32),
-    # q, ldq, nq, H, D, kv, num_blocks, block_size, KV, table, seq_len, scale, out, ldo, threads, kv format
+    # q, ldq, nq, H, D, kv, num_blocks, block_size, KV, table, seq_len, scale, out, ldo, threads, kv format, tiles
     "pagellm_prefill_attention_bf16": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _f32, _p, _i64,
-                                        _i32, _i32], _i32),
+                                        _i32, _i32, _i32], _i32),
     "pagellm_add_rmsnorm": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "pagellm_add_bf16_rmsnorm": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "pagellm_rope": ([_p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32], None),

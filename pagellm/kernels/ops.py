@@ -8,6 +8,7 @@ import functools
 
 import torch
 
+from pagellm.kernels import amx
 from pagellm.kernels.build import cpu_kernels, library
 from pagellm.quant.formats import PackedWeight
 from pagellm.quant.kv_cache import KV_FORMAT_CODES, cache_head_dim
@@ -163,11 +164,18 @@ def has_bf16_prefill_attention() -> bool:
     return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 3 & 1)
 
 
+def has_amx_prefill_attention() -> bool:
+    """Whether prefill_attention_bf16 runs on AMX tiles here: the build has that path (kernel path bit 7) and
+    Linux granted the tile state."""
+    return has_bf16_prefill_attention() and bool(library().pagellm_build_features() >> 7 & 1) and amx.amx_ready()
+
+
 def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
-                           scale: float) -> torch.Tensor | None:
+                           scale: float, tiles: bool = True) -> torch.Tensor | None:
     """Causal attention of one request's newest q.shape[0] positions (q: [n, H, D], rows may be strided) over
-    its keys 0..seq_len-1 in the paged cache, in bf16 with float32 sums (cpu/prefill_attention.cpp); None where
-    the kernel does not take this shape or KV dtype (D not a multiple of 64, int8/fp8 caches)."""
+    its keys 0..seq_len-1 in the paged cache, in bf16 with float32 sums (cpu/prefill_attention.cpp): on AMX
+    tiles where the build and the OS have them and `tiles` (has_amx_prefill_attention), else vdpbf16ps; None
+    where the kernel does not take this shape or KV dtype (D not a multiple of 64, int8/fp8 caches)."""
     n, h, d = q.shape
     _, num_blocks, block_size, num_kv, _ = kv_cache.shape
     if kv_cache.dtype not in (torch.float32, torch.float16) or q.stride(2) != 1 or q.stride(1) != d:
@@ -175,5 +183,5 @@ def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
     out = torch.empty(n, h, d, dtype=torch.float32)
     rc = library().pagellm_prefill_attention_bf16(
         q.data_ptr(), q.stride(0), n, h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv, table.data_ptr(),
-        seq_len, scale, out.data_ptr(), h * d, torch.get_num_threads(), kv_format_code(kv_cache.dtype))
+        seq_len, scale, out.data_ptr(), h * d, torch.get_num_threads(), kv_format_code(kv_cache.dtype), int(tiles))
     return None if rc else out

@@ -62,7 +62,8 @@ TRIM_THRESHOLD = 256 << 20
 
 # `pagellm info`'s words for each bf16_prefill_attention choice
 PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto, else torch SDPA",
-                     "kernel": "bf16 kernel (vdpbf16ps) under --dtype auto, else torch SDPA", None: "torch SDPA"}
+                     "kernel": "bf16 kernel (AMX tiles where ready, else vdpbf16ps) under --dtype auto, else SDPA",
+                     None: "torch SDPA"}
 
 # --kv-cache-dtype names and their cache element types, for `pagellm info`.
 _KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
@@ -218,17 +219,18 @@ class CpuPlatform(Platform):
         return ops.kv_dtype_supported(kv_dtype)
 
     def bf16_prefill_attention(self, auto: bool, kv_dtype: torch.dtype) -> str | None:
-        """How long prefill chunks attend under auto (auto=True) where the CPU has bf16 dot products: "sdpa" with
-        AMX-BF16 (torch's flash attention on bf16 inputs, whose products oneDNN runs on AMX tiles: 1.5-2.9x the
-        own kernel on the Xeon VM, 128-2,048 tokens), "kernel" without it where the build has the own bf16
-        flash-attention kernel (AVX-512 BF16 `vdpbf16ps`: 3x torch's bf16 SDPA on the Zen 5 VM); None: float32
-        SDPA. Both read float32 and float16 caches; outputs within bf16 rounding (tests/test_prefill_attention.py)."""
+        """How long prefill chunks attend under auto (auto=True) where the CPU has bf16 dot products: "kernel", the own
+        bf16 flash-attention kernel, with its products on AMX tiles where the CPU, the build and the OS have them
+        (1.2-2.2x torch's bf16 SDPA over the gathered cache on the Xeon VM, 128-2,048 tokens) and on AVX-512 BF16
+        `vdpbf16ps` without AMX (3x torch's bf16 SDPA on the Zen 5 VM); "sdpa" with AMX-BF16 but no tile kernel
+        (torch's flash attention on bf16 inputs, whose products oneDNN runs on AMX tiles); None: float32 SDPA. Both
+        read float32 and float16 caches; outputs within bf16 rounding (tests/test_prefill_attention.py)."""
         if not (auto and self.bf16_dot_products and self.native_kernels and kv_dtype in (torch.float32, torch.float16)):
             return None
-        if "amx_bf16" in self.isa:
-            return "sdpa"
         from pagellm.kernels import ops
 
+        if "amx_bf16" in self.isa:  # the own kernel where its products run on tiles, else oneDNN's
+            return "kernel" if ops.has_amx_prefill_attention() else "sdpa"
         return "kernel" if ops.has_bf16_prefill_attention() else None
 
     def attention_backend(self, requested: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> str:

@@ -14,6 +14,8 @@
 //        AVX-512 BF16; quant_linear_amx.cpp), usable once the OS grants the tile state (pagellm_amx_ready)
 // bit 6: int8-activation products over blocks in tile order (AVX-512 F/BW/VNNI; quant_linear_int8_tiles.cpp),
 //        whose many-row half runs on AMX-INT8 tiles where the build has them (pagellm_int8_tiles_amx_ready)
+// bit 7: bit 3's prefill attention with its products on AMX bf16 tiles (AMX-TILE/BF16; prefill_attention_amx.h),
+//        usable once the OS grants the tile state
 extern "C" int pagellm_build_features() {
     int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -35,6 +37,10 @@ extern "C" int pagellm_build_features() {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     bits |= 1 << 6;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__) && \
+    defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    bits |= 1 << 7;
 #endif
 #endif
     return bits;

@@ -29,6 +29,7 @@ namespace {
 
 constexpr int ROWS = 8;   // query rows per work item: 2 x ROWS score accumulators
 constexpr int STEP = 32;  // keys per step: two 16-lane tiles
+constexpr int PACK_KEYS = 64;  // keys are packed in whole multiples of this (the AMX items' step)
 
 inline uint16_t bf16_bits(float x) {  // round to nearest even (finite inputs)
     const uint32_t u = f32_bits(x);
@@ -50,9 +51,16 @@ inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// D values of a float32 or float16 cache row as bf16 (round to nearest even, as bf16_bits), zeros for no row.
+inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 load16(const uint16_t* src) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+}
 template <typename T>
-inline void row_to_floats(const T* src, float* dst, int D) {
-    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+inline void row_to_bf16(const T* src, uint16_t* dst, int D) {
+    for (int d = 0; d < D; d += 32)
+        _mm512_store_si512(dst + d, src ? as_si(_mm512_cvtne2ps_pbh(load16(src + d + 16), load16(src + d)))
+                                        : _mm512_setzero_si512());
 }
 
 struct Packed {
@@ -60,42 +68,44 @@ struct Packed {
     int64_t k_head, v_head;  // per KV head: words of K, of V
 };
 
-// K and V of keys 0..seq_len-1 of every KV head in the layouts above.
+// K and V of keys 0..seq_len-1 of every KV head in the layouts above, 16 keys at a time: their rows in bf16,
+// then K's words (dimension pairs) transposed to [pair][key] and V's rows interleaved by key pairs.
 template <typename T>
 Packed pack_kv(const T* kv, int64_t plane, int64_t stride, int block_size, const int64_t* table, int64_t seq_len,
                int KV, int D, int nthreads) {
     Packed p;
-    const int64_t keys = (seq_len + STEP - 1) / STEP * STEP, pairs = D / 2;  // whole steps, zero-padded
+    const int64_t keys = (seq_len + PACK_KEYS - 1) / PACK_KEYS * PACK_KEYS, pairs = D / 2;  // zero-padded
     p.k_head = keys * pairs;
     p.v_head = keys / 2 * D;
-    p.k.assign(KV * p.k_head, 0);
-    p.v.assign(KV * p.v_head, 0);
+    p.k.resize(KV * p.k_head);
+    p.v.resize(KV * p.v_head);
     const int64_t tiles = keys / 16;
+    alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
 #pragma omp parallel for num_threads(nthreads) collapse(2) schedule(static)
     for (int h = 0; h < KV; ++h)
         for (int64_t tile = 0; tile < tiles; ++tile) {
-            float row[2][512];
-            uint32_t* kt = p.k.data() + h * p.k_head + tile * 16 * pairs;
-            uint32_t* vt = p.v.data() + h * p.v_head + tile * 8 * D;
-            for (int lane = 0; lane < 16; lane += 2) {
-                for (int e = 0; e < 2; ++e) {
-                    const int64_t j = tile * 16 + lane + e;
-                    if (j < seq_len) {
-                        const int64_t off = (table[j / block_size] * block_size + j % block_size) * stride + h * D;
-                        row_to_floats(kv + off, row[0] + 256 * e, D);
-                        row_to_floats(kv + plane + off, row[1] + 256 * e, D);
-                    } else {
-                        std::memset(row[0] + 256 * e, 0, sizeof(float) * D);
-                        std::memset(row[1] + 256 * e, 0, sizeof(float) * D);
-                    }
-                }
-                for (int e = 0; e < 2; ++e)
-                    for (int dp = 0; dp < pairs; ++dp)
-                        kt[dp * 16 + lane + e] = bf16_bits(row[0][256 * e + 2 * dp]) |
-                                                 (uint32_t)bf16_bits(row[0][256 * e + 2 * dp + 1]) << 16;
-                uint32_t* vp = vt + lane / 2 * D;
-                for (int d = 0; d < D; ++d) vp[d] = bf16_bits(row[1][d]) | (uint32_t)bf16_bits(row[1][256 + d]) << 16;
+            alignas(64) uint16_t kb[16][256], vb[16][256];
+            for (int lane = 0; lane < 16; ++lane) {
+                const int64_t j = tile * 16 + lane;
+                const int64_t off = j < seq_len ? (table[j / block_size] * block_size + j % block_size) * stride + h * D
+                                                : -1;
+                row_to_bf16(off < 0 ? nullptr : kv + off, kb[lane], D);
+                row_to_bf16(off < 0 ? nullptr : kv + plane + off, vb[lane], D);
             }
+            uint32_t* kt = p.k.data() + h * p.k_head + tile * 16 * pairs;
+            for (int lane = 0; lane < 16; ++lane) {
+                const uint32_t* words = reinterpret_cast<const uint32_t*>(kb[lane]);
+                for (int dp = 0; dp < pairs; ++dp) kt[dp * 16 + lane] = words[dp];
+            }
+            uint32_t* vt = p.v.data() + h * p.v_head + tile * 8 * D;
+            for (int i = 0; i < 8; ++i)  // keys 2i, 2i + 1: low and high halves of each word
+                for (int d = 0; d < D; d += 32) {
+                    const __m512i a = _mm512_load_si512(vb[2 * i] + d), b = _mm512_load_si512(vb[2 * i + 1] + d);
+                    _mm512_storeu_si512(vt + i * D + d, _mm512_permutex2var_epi16(a, lo, b));
+                    _mm512_storeu_si512(vt + i * D + d + 16, _mm512_permutex2var_epi16(a, hi, b));
+                }
         }
     return p;
 }
@@ -176,20 +186,49 @@ void attend_rows(const float* q, int64_t ldq, float* out, int64_t ldo, int head,
     }
 }
 
+}  // namespace
+
+#include "prefill_attention_amx.h"
+
+namespace {
+
+// tiles: the work items on AMX tiles (16 rows each) where the build and the OS have them.
 template <typename T>
 void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const T* kv, int64_t num_blocks,
                        int block_size, int KV, const int64_t* table, int64_t seq_len, float scale, float* out,
-                       int64_t ldo, int nthreads) {
+                       int64_t ldo, int nthreads, bool tiles) {
     const int64_t stride = (int64_t)KV * D, plane = num_blocks * block_size * stride;
     const Packed p = pack_kv(kv, plane, stride, block_size, table, seq_len, KV, D, nthreads);
-    const int blocks = (nq + ROWS - 1) / ROWS, G = H / KV;
+#ifdef PAGELLM_AMX_ATTENTION
+    tiles = tiles && pagellm_amx_ready();
+    const int rows = tiles ? TILE_ROWS : ROWS;
+#else
+    tiles = false;
+    const int rows = ROWS;
+#endif
+    const int blocks = (nq + rows - 1) / rows, G = H / KV;
     const int64_t first_pos = seq_len - nq;
-    // The last row blocks see the most keys: hand them out first, so the threads finish together.
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < (int64_t)blocks * H; ++item) {
-        const int b = blocks - 1 - (int)(item / H), head = (int)(item % H);
-        const int r0 = b * ROWS;
-        attend_rows(q, ldq, out, ldo, head, head / G, D, r0, std::min(ROWS, nq - r0), first_pos, p, scale);
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef PAGELLM_AMX_ATTENTION
+        if (tiles) configure_attention_tiles();
+#endif
+        // The last row blocks see the most keys: hand them out first, so the threads finish together.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < (int64_t)blocks * H; ++item) {
+            const int b = blocks - 1 - (int)(item / H), head = (int)(item % H);
+            const int r0 = b * rows, n = std::min(rows, nq - r0);
+#ifdef PAGELLM_AMX_ATTENTION
+            if (tiles) {
+                attend_rows_amx(q, ldq, out, ldo, head, head / G, D, r0, n, first_pos, p, scale);
+                continue;
+            }
+#endif
+            attend_rows(q, ldq, out, ldo, head, head / G, D, r0, n, first_pos, p, scale);
+        }
+#ifdef PAGELLM_AMX_ATTENTION
+        if (tiles) _tile_release();
+#endif
     }
 }
 
@@ -199,25 +238,26 @@ void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const 
 // q: [nq, H, D] float32 (row stride ldq), the request's newest nq positions seq_len - nq .. seq_len - 1;
 // out: [nq, H, D] (row stride ldo). kv: the paged cache [2, num_blocks, block_size, KV, D] (kv_format
 // float32 or float16), table: the request's block ids. Returns 0, or -1 where this build has no bf16 kernel
-// or the shape or format is not one it takes (D a multiple of 64 up to 256, H % KV, float32/float16).
+// or the shape or format is not one it takes (D a multiple of 64 up to 256, H % KV, float32/float16). tiles:
+// run the work items on AMX tiles where this build and the OS have them (prefill_attention_amx.h).
 extern "C" int pagellm_prefill_attention_bf16(const float* q, int64_t ldq, int nq, int H, int D, const void* kv,
                                               int64_t num_blocks, int block_size, int KV, const int64_t* table,
                                               int64_t seq_len, float scale, float* out, int64_t ldo, int nthreads,
-                                              int kv_format) {
+                                              int kv_format, int tiles) {
 #ifdef PAGELLM_BF16_ATTENTION
     if (D % 64 || D > 256 || H % KV || nq < 1 || nq > seq_len) return -1;
     if (kv_format == KV_F32)
         prefill_attention(q, ldq, nq, H, D, static_cast<const float*>(kv), num_blocks, block_size, KV, table, seq_len,
-                          scale, out, ldo, nthreads);
+                          scale, out, ldo, nthreads, tiles);
     else if (kv_format == KV_F16)
         prefill_attention(q, ldq, nq, H, D, static_cast<const uint16_t*>(kv), num_blocks, block_size, KV, table,
-                          seq_len, scale, out, ldo, nthreads);
+                          seq_len, scale, out, ldo, nthreads, tiles);
     else
         return -1;
     return 0;
 #else
     (void)q, (void)ldq, (void)nq, (void)H, (void)D, (void)kv, (void)num_blocks, (void)block_size, (void)KV;
-    (void)table, (void)seq_len, (void)scale, (void)out, (void)ldo, (void)nthreads, (void)kv_format;
+    (void)table, (void)seq_len, (void)scale, (void)out, (void)ldo, (void)nthreads, (void)kv_format, (void)tiles;
     return -1;
 #endif
 }

@@ -1,0 +1,149 @@
+// The prefill attention's work item on AMX bf16 tiles (included by prefill_attention.cpp, inside its namespace:
+// Packed, exp16, bf16 layouts and the online softmax are that file's). 16 query rows of one head per item;
+// per step of 32 keys:
+//   S = Q K^T   two C tiles (16 rows x 16 keys each), D / 32 products apiece: A = 32 dimensions of the 16
+//               bf16 query rows, B = 16 dimension pairs of 16 keys, which is the packed K layout as it is;
+//   softmax     the vector code of attend_rows on S read back from the tiles (mask, running max, exp, sums),
+//               probabilities rounded to bf16 as rows of 32 keys: the A tile of the next product;
+//   O += P V    one C tile per 16 output dimensions, B = 16 key pairs x 16 dimensions of the packed V (row stride
+//               D words); the step's part is stored and added to the running output after its rescale (tiles
+//               cannot be rescaled in place).
+// The vdpbf16ps item spends ~1,000 instructions per row and step on the two products; here they are 8 tile
+// products per 16 rows, and the softmax is what is left.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGELLM_AMX_ATTENTION 1
+#include <immintrin.h>
+
+#include "amx_tiles.h"
+
+extern "C" int pagellm_amx_ready();
+
+constexpr int TILE_ROWS = 16;  // query rows per AMX work item
+
+inline void configure_attention_tiles() {  // 8 tiles of 16 rows x 64 bytes
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+constexpr int AMX_STEP = 64;  // keys per step: four S tiles
+
+// The step's P (tiles 2 and 5: keys 0-31, 32-63) times its V for output dimension tiles j0.. (up to 4; C tiles
+// 0, 1, 6, 7), stored into part (16 rows of 256 floats). vs: the step's first key pair in the packed V (D words
+// per key pair).
+inline void pv_tiles(const uint32_t* vs, int D, int j0, int nj, float* part) {
+    const int64_t stride = (int64_t)D * 4, part_stride = 256 * 4, half = 16 * (int64_t)D;  // 16 key pairs on
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(6);
+    _tile_zero(7);
+#define PAGELLM_PV(C, j)                                  \
+    do {                                                  \
+        _tile_loadd(3, vs + 16 * (j), stride);            \
+        _tile_loadd(4, vs + half + 16 * (j), stride);     \
+        _tile_dpbf16ps(C, 2, 3);                          \
+        _tile_dpbf16ps(C, 5, 4);                          \
+        _tile_stored(C, part + 16 * (j), part_stride);    \
+    } while (0)
+    PAGELLM_PV(0, j0);
+    if (nj > 1) PAGELLM_PV(1, j0 + 1);
+    if (nj > 2) PAGELLM_PV(6, j0 + 2);
+    if (nj > 3) PAGELLM_PV(7, j0 + 3);
+#undef PAGELLM_PV
+}
+
+// One work item on tiles: query head `head`, rows r0..r0+n-1 (n <= 16) at positions first_pos + r. The caller
+// configured this thread's tiles.
+inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo, int head, int kv_head, int D,
+                            int r0, int n, int64_t first_pos, const Packed& p, float scale) {
+    const int pairs = D / 2;
+    alignas(64) uint16_t qb[TILE_ROWS][256];     // bf16 query rows (zero past n), D <= 256
+    alignas(64) float s[TILE_ROWS][AMX_STEP];    // a step's scores
+    alignas(64) uint16_t pb[TILE_ROWS][AMX_STEP];  // a step's probabilities in bf16
+    alignas(64) float o[TILE_ROWS][256], part[TILE_ROWS][256];
+    float m[TILE_ROWS], alpha[TILE_ROWS];
+    __m512 l[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; ++r) {
+        const float* qr = q + (int64_t)(r0 + r) * ldq + (int64_t)head * D;
+        for (int d = 0; d < D; d += 32)
+            _mm512_store_si512(qb[r] + d, r < n ? as_si(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + d + 16),
+                                                                            _mm512_loadu_ps(qr + d)))
+                                                : _mm512_setzero_si512());
+        std::memset(o[r], 0, sizeof(float) * D);
+        m[r] = -INFINITY;
+        l[r] = _mm512_setzero_ps();
+    }
+    const int64_t last = first_pos + r0 + n - 1;  // the item's last row sees keys 0..last
+    const uint32_t* kh = p.k.data() + kv_head * p.k_head;
+    const uint32_t* vh = p.v.data() + kv_head * p.v_head;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int64_t q_stride = sizeof(qb[0]), tile_words = 16 * (int64_t)pairs;  // one key tile of K
+    for (int64_t key0 = 0; key0 <= last; key0 += AMX_STEP) {
+        const uint32_t* k0 = kh + key0 * pairs;  // 4 key tiles: D / 32 B tiles of 16 pairs each, 1 KiB apiece
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int c = 0; c < D / 32; ++c) {
+            _tile_loadd(2, qb[0] + 32 * c, q_stride);
+            _tile_loadd(3, k0 + 256 * c, 64);
+            _tile_loadd(4, k0 + tile_words + 256 * c, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+            _tile_loadd(3, k0 + 2 * tile_words + 256 * c, 64);
+            _tile_loadd(4, k0 + 3 * tile_words + 256 * c, 64);
+            _tile_dpbf16ps(6, 2, 3);
+            _tile_dpbf16ps(7, 2, 4);
+        }
+        _tile_stored(0, s[0], sizeof(s[0]));
+        _tile_stored(1, s[0] + 16, sizeof(s[0]));
+        _tile_stored(6, s[0] + 32, sizeof(s[0]));
+        _tile_stored(7, s[0] + 48, sizeof(s[0]));
+        bool rescale = false;
+        const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+        for (int r = 0; r < TILE_ROWS; ++r) {
+            // keys key0 + 16 t + lane visible to row r: those <= its position (padding keys are beyond it)
+            const __m512i limit = _mm512_set1_epi32((int)(first_pos + r0 + r - key0));
+            __mmask16 vis[4];
+            __m512 x[4];
+            for (int t = 0; t < 4; ++t) {
+                vis[t] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * t)), limit);
+                x[t] = _mm512_mask_mul_ps(ninf, vis[t], _mm512_load_ps(s[r] + 16 * t), sc);
+            }
+            const __m512 top = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+            const float mx = std::max(m[r], _mm512_reduce_max_ps(top));
+            alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mx);  // row r's keys start at 0: mx is finite
+            rescale |= alpha[r] != 1.f;
+            m[r] = mx;
+            __m512 sum = _mm512_setzero_ps();
+            for (int t = 0; t < 4; ++t) {
+                x[t] = _mm512_maskz_mov_ps(vis[t], exp16(_mm512_sub_ps(x[t], _mm512_set1_ps(mx))));
+                sum = _mm512_add_ps(sum, x[t]);
+            }
+            l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), sum);
+            _mm512_store_si512(pb[r], as_si(_mm512_cvtne2ps_pbh(x[1], x[0])));  // keys 0-15, then 16-31
+            _mm512_store_si512(pb[r] + 32, as_si(_mm512_cvtne2ps_pbh(x[3], x[2])));
+        }
+        _tile_loadd(2, pb[0], sizeof(pb[0]));
+        _tile_loadd(5, pb[0] + 32, sizeof(pb[0]));
+        const uint32_t* vs = vh + key0 / 2 * D;
+        for (int j0 = 0; j0 < D / 16; j0 += 4) pv_tiles(vs, D, j0, std::min(4, D / 16 - j0), part[0]);
+        for (int r = 0; r < TILE_ROWS; ++r) {
+            const __m512 al = _mm512_set1_ps(alpha[r]);
+            for (int d = 0; d < D; d += 16) {
+                const __m512 prev = _mm512_load_ps(o[r] + d), add = _mm512_load_ps(part[r] + d);
+                _mm512_store_ps(o[r] + d, rescale ? _mm512_fmadd_ps(prev, al, add) : _mm512_add_ps(prev, add));
+            }
+        }
+    }
+    for (int r = 0; r < n; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+        float* dst = out + (int64_t)(r0 + r) * ldo + (int64_t)head * D;
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(o[r] + d), inv));
+    }
+}
+
+#endif
