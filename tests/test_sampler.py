@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagellm.kernels import ops
+from pagellm.kernels.build import cpu_kernels
 from pagellm.sample.sampler import Sampler, SamplingRow
 from pagellm.sampling_params import SamplingParams
 
@@ -311,3 +313,17 @@ def test_argmax_rows_equals_argmax_on_ties_nan_and_masked_rows():
         x[5] = float("-inf")
         for t in (x, x.bfloat16(), x[:, :999]):  # float32, bf16, a strided view
             assert torch.equal(argmax_rows(t), t.argmax(dim=-1))
+        clean = x[[0, 1, 2, 4, 5, 6]]  # no NaN: float32 rows take the native kernel where it is built
+        for t in (clean, clean[:, :999], clean[:, 1:17], clean[:, :15]):  # whole vectors, tails, a short row
+            assert torch.equal(argmax_rows(t), t.argmax(dim=-1))
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="no native CPU kernels here")
+def test_native_argmax_is_torchs_and_leaves_nan_rows_to_torch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 3, (40, 49152), generator=g).float()  # many ties for the largest value
+    x[7, :100] = 5.0  # the largest value first in its row, repeated across lanes
+    x[8, -1] = 9.0  # ... in the tail
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    x[11, 4000] = float("nan")
+    assert ops.argmax_rows(x) is None  # torch's max takes the NaN: the caller asks torch

@@ -67,7 +67,7 @@ SIGNATURES = {
     # kind, planes, method, x, ldx, M, K, tile-order codes, d, m, N, y, ldy, threads (quant_linear_int8_tiles.cpp)
     "pagellm_int8_tiles_linear": ([_i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], _i32),
     "pagellm_int8_tiles_amx_ready": ([], _i32),
-    "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p, _i32], _i32),
+    "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p, _i32, _i32], _i32),
     "pagellm_paged_attention": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _p, _p, _i32, _f32,
                                  _p, _i32, _i32], _i32),
     # q, ldq, nq, H, D, kv, num_blocks, block_size, KV, table, seq_len, scale, out, ldo, threads, kv format, tiles
@@ -79,6 +79,7 @@ SIGNATURES = {
     "pagellm_rope_bf16": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _i32, _p, _p, _p, _i32], None),
     "pagellm_silu_mul": ([_p, _i32, _i32, _p, _i32], None),
     "pagellm_silu_mul_bf16": ([_p, _i32, _i32, _p, _i32], None),
+    "pagellm_argmax_rows": ([_p, _i64, _i32, _i32, _p, _i32], _i32),
     "pagellm_sgemm": ([_p, _p, _i64, _i64, _i64, _p, _i64, _i32, _i64, _p, _i64, _i32], None),
     "pagellm_packed_sgemm": ([_p, _p, _i64, _i64, _i64, _i32, _p, _p, _p, _i64, _p, _i64, _i32], None),
     # dims, layers, num_layers, kv caches, num_blocks, block_size, final norm, x, T, positions, slots,

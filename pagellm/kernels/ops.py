@@ -106,6 +106,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's index of its largest value, the first of equal ones, as `x.max(dim=-1).indices` (x: [rows, n]
+    float32 on the CPU, unit stride along a row); None where a row holds a NaN (torch decides those)."""
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    rc = library().pagellm_argmax_rows(x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
+    return None if rc else out
+
+
 @functools.cache
 def _build_kv_formats() -> int:
     return int(library().pagellm_kv_formats())
@@ -133,7 +142,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
     _, num_blocks, block_size, num_kv, _ = kv_cache.shape
     rc = library().pagellm_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], num_kv,
                                         cache_head_dim(kv_cache), kv_cache.data_ptr(), num_blocks, block_size,
-                                        slots.data_ptr(), kv_format_code(kv_cache.dtype))
+                                        slots.data_ptr(), kv_format_code(kv_cache.dtype), torch.get_num_threads())
     if rc:
         raise ValueError(f"write_kv kernel: unsupported KV cache dtype {kv_cache.dtype}")
 

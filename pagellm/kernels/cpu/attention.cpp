@@ -17,9 +17,12 @@ namespace {
 
 template <typename T>
 void write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T_, int KV, int D, T* kv,
-              int64_t num_blocks, int block_size, const int64_t* slots) {
+              int64_t num_blocks, int block_size, const int64_t* slots, int nthreads) {
     const int64_t row = (int64_t)KV * (D + row_extra<T>());  // elements per token
     const int64_t plane = num_blocks * block_size * row;  // offset of the value half
+    // tokens have slots of their own; a prefill chunk's conversions (and the first touches of fresh blocks'
+    // pages) split across the threads
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T_ >= 64)
     for (int t = 0; t < T_; ++t) {
         store_token(k + t * ldk, kv + slots[t] * row, KV, D);
         store_token(v + t * ldv, kv + plane + slots[t] * row, KV, D);
@@ -45,16 +48,20 @@ extern "C" int pagellm_kv_formats() {
 
 // Writes the step's new keys/values into their slots. k, v: [T, KV, D] with row strides ldk, ldv;
 // kv_format: the cache's KvFormat (0 float32, 1 float16, as the old kv_half flag). Returns 0, or -1 for
-// a format this build lacks.
+// a format this build lacks. Steps of 64 tokens or more split them across nthreads threads.
 extern "C" int pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D,
-                                void* kv, int64_t num_blocks, int block_size, const int64_t* slots, int kv_format) {
+                                void* kv, int64_t num_blocks, int block_size, const int64_t* slots, int kv_format,
+                                int nthreads) {
     if (!(pagellm_kv_formats() >> kv_format & 1)) return -1;
+    const auto write = [&](auto* cache) {
+        write_kv(k, ldk, v, ldv, T, KV, D, cache, num_blocks, block_size, slots, nthreads);
+    };
     switch (kv_format) {
-        case KV_F32: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<float*>(kv), num_blocks, block_size, slots); break;
-        case KV_F16: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<uint16_t*>(kv), num_blocks, block_size, slots); break;
-        case KV_I8: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<int8_t*>(kv), num_blocks, block_size, slots); break;
-        case KV_E4M3: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<e4m3_t*>(kv), num_blocks, block_size, slots); break;
-        case KV_E5M2: write_kv(k, ldk, v, ldv, T, KV, D, static_cast<e5m2_t*>(kv), num_blocks, block_size, slots); break;
+        case KV_F32: write(static_cast<float*>(kv)); break;
+        case KV_F16: write(static_cast<uint16_t*>(kv)); break;
+        case KV_I8: write(static_cast<int8_t*>(kv)); break;
+        case KV_E4M3: write(static_cast<e4m3_t*>(kv)); break;
+        case KV_E5M2: write(static_cast<e5m2_t*>(kv)); break;
         default: return -1;
     }
     return 0;

@@ -27,7 +27,7 @@ void pagellm_rope_bf16(const uint16_t* x, int64_t ldx, float* out, int64_t ldo, 
 int pagellm_packed_linear_amx(int kind, const void* x, int64_t ldx, int x_bf16, int M, int K, const uint8_t* codes,
                               const float* d, const float* m, int N, void* y, int64_t ldy, int y_bf16, int nthreads);
 int pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D, void* kv,
-                     int64_t num_blocks, int block_size, const int64_t* slots, int kv_format);
+                     int64_t num_blocks, int block_size, const int64_t* slots, int kv_format, int nthreads);
 int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const void* kv, int64_t num_blocks,
                             int block_size, int KV, const int64_t* block_tables, int64_t table_stride,
                             const int64_t* row_seq, const int64_t* row_pos, int window, float softmax_scale,
@@ -107,7 +107,7 @@ static int amx_layers(const DecoderDims* dims, const DecoderLayer* layers, int n
         const float* k = qkv.data() + H * D;
         const float* v = k + KV * D;
         rc = pagellm_write_kv(k, qkv_width, v, qkv_width, T, KV, D, kv_caches[l], num_blocks, block_size, slots,
-                              dims->kv_format);
+                              dims->kv_format, nthreads);
         if (!rc)
             rc = pagellm_paged_attention(qkv.data(), qkv_width, T, H, D, kv_caches[l], num_blocks, block_size, KV,
                                          block_tables, table_stride, row_seq, positions, dims->window, dims->scale,
@@ -155,7 +155,7 @@ extern "C" int pagellm_decoder_forward(const DecoderDims* dims, const DecoderLay
         const float* k = qkv.data() + H * D;
         const float* v = k + KV * D;
         int rc = pagellm_write_kv(k, qkv_width, v, qkv_width, T, KV, D, kv_caches[l], num_blocks, block_size, slots,
-                                  dims->kv_format);
+                                  dims->kv_format, nthreads);
         if (!rc)
             rc = pagellm_paged_attention(qkv.data(), qkv_width, T, H, D, kv_caches[l], num_blocks, block_size, KV,
                                          block_tables, table_stride, row_seq, positions, dims->window, dims->scale,

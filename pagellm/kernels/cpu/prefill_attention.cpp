@@ -39,18 +39,6 @@ inline uint16_t bf16_bits(float x) {  // round to nearest even (finite inputs)
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 inline __m512i as_si(__m512bh x) { return reinterpret_cast<__m512i&>(x); }
 
-// exp for 16 floats (exp8's polynomial, simd.h).
-inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 // D values of a float32 or float16 cache row as bf16 (round to nearest even, as bf16_bits), zeros for no row.
 inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
 inline __m512 load16(const uint16_t* src) {
