@@ -215,6 +215,32 @@ extern "C" int pagellm_argmax_rows(const float* x, int64_t ldx, int rows, int n,
             const __mmask16 tops = _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ);
             best = _mm512_mask_reduce_min_epi32(tops, idx);
         }
+#elif defined(__AVX2__)
+        if (n >= 8) {  // the same on 8 lanes
+            const __m256i step = _mm256_set1_epi32(8);
+            __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = idx;
+            __m256 v = _mm256_loadu_ps(row);
+            __m256 unordered = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+            for (i = 8; i + 8 <= n; i += 8) {
+                at = _mm256_add_epi32(at, step);
+                const __m256 w = _mm256_loadu_ps(row + i);
+                unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(w, w, _CMP_UNORD_Q));
+                const __m256 gt = _mm256_cmp_ps(w, v, _CMP_GT_OQ);
+                v = _mm256_blendv_ps(v, w, gt);
+                idx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(idx), _mm256_castsi256_ps(at), gt));
+            }
+            if (_mm256_movemask_ps(unordered)) {
+                nan = 1;
+                continue;
+            }
+            alignas(32) float vals[8];
+            alignas(32) int32_t ids[8];
+            _mm256_store_ps(vals, v);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(ids), idx);
+            top = vals[0], best = ids[0];
+            for (int l = 1; l < 8; ++l)
+                if (vals[l] > top || (vals[l] == top && ids[l] < best)) top = vals[l], best = ids[l];
+        }
 #endif
         for (; i < n; ++i) {
             if (row[i] != row[i]) {
