@@ -64,7 +64,7 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
     alignas(64) float s[TILE_ROWS][AMX_STEP];    // a step's scores
     alignas(64) uint16_t pb[TILE_ROWS][AMX_STEP];  // a step's probabilities in bf16
     alignas(64) float o[TILE_ROWS][256], part[TILE_ROWS][256];
-    float m[TILE_ROWS], alpha[TILE_ROWS];
+    alignas(64) float m[TILE_ROWS], alpha[TILE_ROWS];
     __m512 l[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; ++r) {
         const float* qr = q + (int64_t)(r0 + r) * ldq + (int64_t)head * D;
@@ -102,25 +102,40 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
         _tile_stored(1, s[0] + 16, sizeof(s[0]));
         _tile_stored(6, s[0] + 32, sizeof(s[0]));
         _tile_stored(7, s[0] + 48, sizeof(s[0]));
-        bool rescale = false;
+        // Masked, scaled scores back into s and each row's new running max; then every row's rescale factor in
+        // one vector exp (a row's first step has m = -inf: a factor of ~0 on its zero output and sum); then the
+        // probabilities. A step whose keys every row sees (all but the diagonal's) skips the masks.
+        const bool whole = key0 + AMX_STEP - 1 <= first_pos + r0;
         const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+        alignas(64) float m_new[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; ++r) {
             // keys key0 + 16 t + lane visible to row r: those <= its position (padding keys are beyond it)
             const __m512i limit = _mm512_set1_epi32((int)(first_pos + r0 + r - key0));
-            __mmask16 vis[4];
             __m512 x[4];
             for (int t = 0; t < 4; ++t) {
-                vis[t] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16 * t)), limit);
-                x[t] = _mm512_mask_mul_ps(ninf, vis[t], _mm512_load_ps(s[r] + 16 * t), sc);
+                const __m512 raw = _mm512_load_ps(s[r] + 16 * t);
+                x[t] = whole ? _mm512_mul_ps(raw, sc)
+                             : _mm512_mask_mul_ps(ninf, _mm512_cmple_epi32_mask(
+                                                            _mm512_add_epi32(iota, _mm512_set1_epi32(16 * t)), limit),
+                                                  raw, sc);
+                _mm512_store_ps(s[r] + 16 * t, x[t]);
             }
             const __m512 top = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
-            const float mx = std::max(m[r], _mm512_reduce_max_ps(top));
-            alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mx);  // row r's keys start at 0: mx is finite
-            rescale |= alpha[r] != 1.f;
-            m[r] = mx;
-            __m512 sum = _mm512_setzero_ps();
+            m_new[r] = std::max(m[r], _mm512_reduce_max_ps(top));  // finite: row r sees key 0 from the first step
+        }
+        const __m512 mv = _mm512_load_ps(m_new);
+        _mm512_store_ps(alpha, exp16(_mm512_sub_ps(_mm512_load_ps(m), mv)));
+        const bool rescale = _mm512_cmpneq_ps_mask(_mm512_load_ps(alpha), _mm512_set1_ps(1.f)) != 0;
+        _mm512_store_ps(m, mv);
+        for (int r = 0; r < TILE_ROWS; ++r) {
+            const __m512 mx = _mm512_set1_ps(m[r]);
+            __m512 x[4], sum = _mm512_setzero_ps();
             for (int t = 0; t < 4; ++t) {
-                x[t] = _mm512_maskz_mov_ps(vis[t], exp16(_mm512_sub_ps(x[t], _mm512_set1_ps(mx))));
+                x[t] = exp16(_mm512_sub_ps(_mm512_load_ps(s[r] + 16 * t), mx));
+                if (!whole) {  // exactly 0 for the masked keys (exp16 clamps: -inf would give ~1e-38)
+                    const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_load_ps(s[r] + 16 * t), ninf, _CMP_NEQ_OQ);
+                    x[t] = _mm512_maskz_mov_ps(seen, x[t]);
+                }
                 sum = _mm512_add_ps(sum, x[t]);
             }
             l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), sum);
