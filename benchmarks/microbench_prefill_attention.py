@@ -1,7 +1,7 @@
 """Prefill attention alone, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), 2 threads: torch SDPA with
 the explicit causal mask, with is_causal (whole prompts only), both in bf16, and the bf16 kernel
-(`ops.prefill_attention_bf16`, float16 paged cache; only where the build has it), plus the kernel's repacking
-alone (8 query rows over 2,048 keys). Then the backend's long-chunk paths as the engine runs them over a paged
+(`ops.prefill_attention_bf16`, float16 paged cache; only where the build has it) on vdpbf16ps and, where they
+run, on AMX tiles, plus the kernel's repacking alone (8 query rows over 2,048 keys). Then the backend's long-chunk paths as the engine runs them over a paged
 float16 cache with scattered blocks (`CpuPagedAttention._long_requests`): "path sdpa" (the platform's choice
 with AMX: gather, cast to bf16, SDPA), "path kernel" and "path float32". Milliseconds, median of 7; chunks of nq
 new rows after seq_len - nq cached.
@@ -42,7 +42,10 @@ def shape_row(nq: int, seq_len: int, kernel: bool) -> dict[str, float]:
         cache = torch.randn(2, blocks, BS, KV, D).half()
         table = torch.arange(blocks, dtype=torch.int64)
         qk = q[0].transpose(0, 1).contiguous()
-        row["bf16 kernel"] = median_ms(lambda: ops.prefill_attention_bf16(qk, cache, table, seq_len, D ** -0.5))
+        row["bf16 kernel vdpbf16ps"] = median_ms(
+            lambda: ops.prefill_attention_bf16(qk, cache, table, seq_len, D ** -0.5, tiles=False))
+        if ops.has_amx_prefill_attention():
+            row["bf16 kernel AMX"] = median_ms(lambda: ops.prefill_attention_bf16(qk, cache, table, seq_len, D ** -0.5))
     row.update(backend_paths(q[0].transpose(0, 1).contiguous(), seq_len, kernel))
     return row
 
