@@ -1,10 +1,11 @@
 """Prefill attention alone, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), 2 threads: torch SDPA with
 the explicit causal mask, with is_causal (whole prompts only), both in bf16, and the bf16 kernel
 (`ops.prefill_attention_bf16`, float16 paged cache; only where the build has it) on vdpbf16ps and, where they
-run, on AMX tiles, plus the kernel's repacking alone (8 query rows over 2,048 keys). Then the backend's long-chunk paths as the engine runs them over a paged
-float16 cache with scattered blocks (`CpuPagedAttention._long_requests`): "path sdpa" (the platform's choice
-with AMX: gather, cast to bf16, SDPA), "path kernel" and "path float32". Milliseconds, median of 7; chunks of nq
-new rows after seq_len - nq cached.
+run, on AMX tiles, plus the kernel's repacking alone (8 query rows over 2,048 keys). Then the backend's
+long-chunk paths as the engine runs them over a paged float16 cache with scattered blocks
+(`CpuPagedAttention._long_requests`): "path sdpa" (gather, cast to bf16, SDPA: the platform's choice on an AMX
+CPU without the tile kernel), "path kernel" and "path float32". Milliseconds, median of 7; chunks of nq new rows
+after seq_len - nq cached.
 
     .venv/bin/python benchmarks/microbench_prefill_attention.py
 
