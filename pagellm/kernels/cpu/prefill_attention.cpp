@@ -98,6 +98,25 @@ Packed pack_kv(const T* kv, int64_t plane, int64_t stride, int block_size, const
     return p;
 }
 
+// A work item's running state cleared: output sums, maxima and sums of exponentials of its rows.
+inline void reset_rows(float (*o)[256], float* m, __m512* l, int rows, int D) {
+    for (int r = 0; r < rows; ++r) {
+        std::memset(o[r], 0, sizeof(float) * D);
+        m[r] = -INFINITY;
+        l[r] = _mm512_setzero_ps();
+    }
+}
+
+// Rows r0..r0+n-1 of out for query head `head`: each row's output sums over its sum of exponentials.
+inline void write_rows(const float (*o)[256], const __m512* l, int n, float* out, int64_t ldo, int r0, int head,
+                       int D) {
+    for (int r = 0; r < n; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+        float* dst = out + (int64_t)(r0 + r) * ldo + (int64_t)head * D;
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(o[r] + d), inv));
+    }
+}
+
 // One work item: query head `head`, rows r0..r0+n-1 (n <= ROWS) at positions first_pos + r.
 void attend_rows(const float* q, int64_t ldq, float* out, int64_t ldo, int head, int kv_head, int D, int r0, int n,
                  int64_t first_pos, const Packed& p, float scale) {
@@ -110,10 +129,8 @@ void attend_rows(const float* q, int64_t ldq, float* out, int64_t ldo, int head,
     for (int r = 0; r < ROWS; ++r) {
         const float* qr = q + (int64_t)(r0 + (r < n ? r : 0)) * ldq + (int64_t)head * D;
         for (int dp = 0; dp < pairs; ++dp) qb[r][dp] = bf16_bits(qr[2 * dp]) | (uint32_t)bf16_bits(qr[2 * dp + 1]) << 16;
-        std::memset(o[r], 0, sizeof(float) * D);
-        m[r] = -INFINITY;
-        l[r] = _mm512_setzero_ps();
     }
+    reset_rows(o, m, l, ROWS, D);
     const int64_t last = first_pos + r0 + n - 1;  // the block's last row sees keys 0..last
     const uint32_t* kh = p.k.data() + kv_head * p.k_head;
     const uint32_t* vh = p.v.data() + kv_head * p.v_head;
@@ -167,11 +184,7 @@ void attend_rows(const float* q, int64_t ldq, float* out, int64_t ldo, int head,
                     for (int j = 0; j < 4; ++j) _mm512_store_ps(o[r + i] + c + 16 * j, acc[i][j]);
             }
     }
-    for (int r = 0; r < n; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
-        float* dst = out + (int64_t)(r0 + r) * ldo + (int64_t)head * D;
-        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(o[r] + d), inv));
-    }
+    write_rows(o, l, n, out, ldo, r0, head, D);
 }
 
 }  // namespace
@@ -199,7 +212,7 @@ void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const 
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef PAGELLM_AMX_ATTENTION
-        if (tiles) configure_attention_tiles();
+        if (tiles) configure_full_tiles();
 #endif
         // The last row blocks see the most keys: hand them out first, so the threads finish together.
 #pragma omp for schedule(dynamic, 1)

@@ -1,15 +1,16 @@
-// The prefill attention's work item on AMX bf16 tiles (included by prefill_attention.cpp, inside its namespace:
-// Packed, exp16, bf16 layouts and the online softmax are that file's). 16 query rows of one head per item;
-// per step of 32 keys:
-//   S = Q K^T   two C tiles (16 rows x 16 keys each), D / 32 products apiece: A = 32 dimensions of the 16
+// The prefill attention's work item on AMX bf16 tiles (included by prefill_attention.cpp: Packed, the packed K and V
+// layouts, reset_rows and write_rows are that file's, exp16 simd.h's). 16 query rows of one head per item; per
+// step of AMX_STEP = 64 keys:
+//   S = Q K^T   four C tiles (16 rows x 16 keys each), D / 32 products apiece: A = 32 dimensions of the 16
 //               bf16 query rows, B = 16 dimension pairs of 16 keys, which is the packed K layout as it is;
-//   softmax     the vector code of attend_rows on S read back from the tiles (mask, running max, exp, sums),
-//               probabilities rounded to bf16 as rows of 32 keys: the A tile of the next product;
+//   softmax     on S read back from the tiles: masks (only on the diagonal's steps), the rows' new maxima, their
+//               rescale factors in one vector exp, exponentials and sums; probabilities rounded to bf16 as rows
+//               of 64 keys: the two A tiles of the next product;
 //   O += P V    one C tile per 16 output dimensions, B = 16 key pairs x 16 dimensions of the packed V (row stride
 //               D words); the step's part is stored and added to the running output after its rescale (tiles
 //               cannot be rescaled in place).
-// The vdpbf16ps item spends ~1,000 instructions per row and step on the two products; here they are 8 tile
-// products per 16 rows, and the softmax is what is left.
+// The vdpbf16ps item spends ~1,000 instructions per row and step on the two products; here they are tile
+// products, and the softmax is what is left.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -22,14 +23,8 @@ extern "C" int pagellm_amx_ready();
 
 constexpr int TILE_ROWS = 16;  // query rows per AMX work item
 
-inline void configure_attention_tiles() {  // 8 tiles of 16 rows x 64 bytes
-    TileConfig c{};
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
-}
-
 constexpr int AMX_STEP = 64;  // keys per step: four S tiles
+static_assert(PACK_KEYS % AMX_STEP == 0, "a step may read keys up to its end: the packing pads that far");
 
 // The step's P (tiles 2 and 5: keys 0-31, 32-63) times its V for output dimension tiles j0.. (up to 4; C tiles
 // 0, 1, 6, 7), stored into part (16 rows of 256 floats). vs: the step's first key pair in the packed V (D words
@@ -72,10 +67,8 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
             _mm512_store_si512(qb[r] + d, r < n ? as_si(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + d + 16),
                                                                             _mm512_loadu_ps(qr + d)))
                                                 : _mm512_setzero_si512());
-        std::memset(o[r], 0, sizeof(float) * D);
-        m[r] = -INFINITY;
-        l[r] = _mm512_setzero_ps();
     }
+    reset_rows(o, m, l, TILE_ROWS, D);
     const int64_t last = first_pos + r0 + n - 1;  // the item's last row sees keys 0..last
     const uint32_t* kh = p.k.data() + kv_head * p.k_head;
     const uint32_t* vh = p.v.data() + kv_head * p.v_head;
@@ -154,11 +147,7 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
             }
         }
     }
-    for (int r = 0; r < n; ++r) {
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
-        float* dst = out + (int64_t)(r0 + r) * ldo + (int64_t)head * D;
-        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_load_ps(o[r] + d), inv));
-    }
+    write_rows(o, l, n, out, ldo, r0, head, D);
 }
 
 #endif

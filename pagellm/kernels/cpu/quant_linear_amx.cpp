@@ -30,14 +30,8 @@ namespace {
 
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
 
-// Tiles 0-3: C (rows 0-15 / 16-31 of a pass times columns 0-15 / 16-31 of the strip), 4-5: A, 6-7: B; all
-// 16 rows of 64 bytes.
-void configure_tiles() {
-    TileConfig c{};
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-    _tile_loadconfig(&c);
-}
+// Tiles (configure_full_tiles) 0-3: C (rows 0-15 / 16-31 of a pass times columns 0-15 / 16-31 of the strip),
+// 4-5: A, 6-7: B.
 
 // Code bytes per group of 16 columns and block of 32 inputs: q4_1 nibbles, q8_0 bytes.
 template <bool Q8>
@@ -232,7 +226,7 @@ extern "C" int pagellm_packed_linear_amx(int kind, const void* x, int64_t ldx, i
         std::unique_ptr<uint16_t[]> tiles_buf(new uint16_t[(size_t)K / 32 * 1024 + 32]);  // a strip's B tiles
         uint16_t* tiles = aligned64(tiles_buf.get());
         alignas(64) float c[32 * 32];  // a pass's results
-        configure_tiles();
+        configure_full_tiles();
 #pragma omp for schedule(static)
         for (int s = 0; s < nstrips; ++s) {
             if (kind == 1)
