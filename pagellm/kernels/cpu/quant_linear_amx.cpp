@@ -147,8 +147,8 @@ inline void zero_c() {
 // serves two products). The first pass dequantizes the blocks into `tiles` (nb x 2 B tiles) as it reaches
 // them, one block ahead of the products so that the tile loads do not wait on the stores just made; later
 // passes reuse them from L1/L2 while x's rows stream at half a tile per product (a 4 x 1 arrangement for the
-// later rows loaded a whole A tile per product, and L2 could not keep up: 120 products of 128 rows 19.5-20.3
-// -> 17.3-17.5 ms). out: float32 or bf16 rows of N (row stride ldy).
+// later rows loaded a whole A tile per product, and L2 could not keep up: benchmarks/microbench_amx.py at 128
+// rows 21.5-22.3 -> 18.6-18.8 ms). out: float32 or bf16 rows of N (row stride ldy).
 template <bool Q8>
 void strip(const XRows& x, int Mpad, int K, const uint8_t* codes, const float* d, const float* m, int s,
            void* out, int64_t ldy, bool out_bf16, int M, uint16_t* tiles, float* c) {

@@ -4,10 +4,11 @@ place (no gather into a padded copy), all rows of the step in one call, parallel
 Requests with many new rows (long prefill chunks) go elsewhere: the kernel scores one query row at a time,
 which flash attention's blocking beats once rows are many. Under `--dtype auto` (`bf16_prefill`, the platform's
 choice) they attend in bf16: through the own bf16 flash-attention kernel ("kernel": its products on AMX tiles
-where the CPU has them, 1.2-2.2x torch's bf16 SDPA over the gathered cache on the Xeon VM at 128-2,048 tokens;
-with AVX-512 BF16 alone on `vdpbf16ps`, 3-5x torch's float32 SDPA on a 2,048-token prompt, benchmarks/NOTES.md),
-or, on an AMX CPU whose build lacks the tile kernel, through torch's SDPA on bf16 inputs ("sdpa": oneDNN's AMX
-tiles); otherwise (None) through the reference SDPA path in float32.
+where the CPU has them, 1.4-2.0x faster than torch's bf16 SDPA over the gathered cache on the Xeon VM at 512-2,048
+tokens, benchmarks/microbench_prefill_attention.py; with AVX-512 BF16 alone on `vdpbf16ps`, 3-5x torch's float32
+SDPA on a 2,048-token prompt, benchmarks/NOTES.md), or, on an AMX CPU whose build lacks the tile kernel, through
+torch's SDPA on bf16 inputs ("sdpa": oneDNN's AMX tiles); otherwise (None) through the reference SDPA path in
+float32.
 """
 
 from __future__ import annotations
