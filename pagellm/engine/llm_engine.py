@@ -116,7 +116,7 @@ class LLMEngine:
         if self.model is not None:
             self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device, backend,
                                       platform, num_host_blocks=num_host_blocks, graph_sizes=graph_sizes,
-                                      max_model_len=self.max_model_len)
+                                      max_model_len=self.max_model_len, lazy_kv=args.lazy_kv_cache)
             self.executor = UniprocExecutor(self.runner)
         else:
             self.executor = start_workers(args, path, dtype, kv_dtype, num_blocks, num_host_blocks)

@@ -124,6 +124,10 @@ class Platform:
     def allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
+    def prefault_kv(self, caches: list[torch.Tensor]) -> None:
+        """Make KV caches from allocate_kv resident now rather than page by page in the steps that first
+        write them (torch.zeros already wrote every byte)."""
+
     def allocate_swap(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory for swapped-out KV blocks."""
         return torch.zeros(shape, dtype=dtype)
