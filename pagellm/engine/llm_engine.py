@@ -144,11 +144,12 @@ class LLMEngine:
             platform.HARDWARE_KEYS), kv_dtype_label(dtype), kv_dtype_label(kv_dtype), backend.name, impl, where)
         logger.info(
             "pagellm: %s (%s, %s) loaded in %.1f s: weights %.1f MiB%s; KV cache (%s, %d bytes/token%s) %d blocks x "
-            "%d tokens = %d tokens (%.1f MiB); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
+            "%d tokens = %d tokens (%.1f MiB, %s); max_model_len %d; max concurrent sequences at max_model_len: %.1f",
             path, cfg.architecture + (f", {cfg.weight_format}" if cfg.weight_format else ""), kv_dtype_label(dtype),
             self.startup_seconds, self.weights_bytes / 2**20, per_rank, kv_dtype_label(kv_dtype),
             self.bytes_per_block // cache.block_size, per_rank, num_blocks,
             cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
+            "resident as blocks fill" if args.lazy_kv_cache and self.device.type == "cpu" else "resident now",
             self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)
 
     @classmethod
