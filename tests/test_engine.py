@@ -269,3 +269,14 @@ def test_engine_kv_cache_resident_from_start_unless_lazy(make_llm):
     assert _resident_bytes(lazy_cache) < nbytes // 2
     ps = prompts(3, seed=4)
     assert greedy_ids(eager, ps) == greedy_ids(lazy, ps)
+
+
+def test_kv_cache_that_does_not_fit_in_memory_is_refused_at_start(make_llm, monkeypatch):
+    """A cache made resident at start has to fit in the memory available now: one clear error naming the
+    way out, not swapping or the OOM killer; --lazy-kv-cache still starts."""
+    from pagellm.platforms import cpu
+
+    monkeypatch.setattr(cpu, "available_memory", lambda: 34 * 2**20)  # 32 MiB > 90% of it
+    with pytest.raises(ValueError, match=r"KV cache \(32 MiB\) does not fit in the 34 MiB.*--lazy-kv-cache"):
+        make_llm(kv_cache_memory="32MiB")
+    assert greedy_ids(make_llm(kv_cache_memory="32MiB", lazy_kv_cache=True), prompts(1)) != []

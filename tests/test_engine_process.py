@@ -312,3 +312,25 @@ def test_an_id_reused_right_after_its_abort_gets_its_own_outputs(tiny_path, smol
     last = run(EngineProcessClient.launch(args), body)
     assert last.finished and last.prompt_token_ids == PROMPTS[1]
     assert last.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_a_core_process_that_dies_while_starting_is_one_clear_error():
+    """A core killed before it says ready (the OOM killer's SIGKILL, say) ends the start with an
+    EngineStartError naming the signal, which the CLI prints as one line (a WorkerFailedError)."""
+    import multiprocessing
+    import subprocess
+    import sys
+
+    from pagellm.engine.core_client import _wait_ready
+    from pagellm.executor.errors import EngineStartError, WorkerFailedError
+
+    ours, theirs = multiprocessing.Pipe()
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    try:
+        with pytest.raises(EngineStartError, match=r"killed by signal 9 \(SIGKILL; out of memory\?\) while starting"):
+            _wait_ready(ours, proc)
+    finally:
+        proc.wait(10)
+        ours.close()
+        theirs.close()
+    assert issubclass(EngineStartError, WorkerFailedError)

@@ -33,7 +33,7 @@ from pagellm.engine.engine_core import EngineInfo
 from pagellm.engine.engine_front import EngineFront
 from pagellm.engine.output_wire import decode
 from pagellm.engine.request_stream import EngineDeadError, EngineStoppedError
-from pagellm.executor.errors import WorkerFailedError
+from pagellm.executor.errors import EngineStartError, WorkerFailedError
 from pagellm.executor.multiproc import READY_TIMEOUT_S
 from pagellm.platforms.openmp import bounded_spin_env
 
@@ -289,7 +289,7 @@ def _wait_ready(conn: Connection, proc: subprocess.Popen) -> EngineInfo:
                 msg = conn.recv()
             except (EOFError, OSError):  # it exited without a word (killed, or a crash in native code)
                 code = _wait_exit(proc, 5.0)
-                raise RuntimeError(f"the engine core process {_how_it_ended(code)} while starting") from None
+                raise EngineStartError(f"the engine core process {_how_it_ended(code)} while starting") from None
             if msg[0] == "ready":
                 return msg[1]
             error, tb = msg[1], msg[2]
@@ -297,8 +297,8 @@ def _wait_ready(conn: Connection, proc: subprocess.Popen) -> EngineInfo:
                 logger.error("the engine failed to start:\n%s", tb.rstrip())  # a bug: its traceback helps
             raise error
         if proc.poll() is not None:
-            raise RuntimeError(f"the engine core process {_how_it_ended(proc.returncode)} while starting")
-    raise RuntimeError(f"the engine core process was not ready after {READY_TIMEOUT_S + 60:.0f} s")
+            raise EngineStartError(f"the engine core process {_how_it_ended(proc.returncode)} while starting")
+    raise EngineStartError(f"the engine core process was not ready after {READY_TIMEOUT_S + 60:.0f} s")
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:
@@ -311,6 +311,8 @@ def _how_it_ended(code: int | None) -> str:
     if code is None:
         return "closed its channel"
     if code < 0:
+        if -code == signal.SIGKILL:  # unasked for, most often the OOM killer (the kernel log says)
+            return f"was killed by signal {-code} (SIGKILL; out of memory?)"
         with contextlib.suppress(ValueError):
             return f"was killed by signal {-code} ({signal.Signals(-code).name})"
         return f"was killed by signal {-code}"

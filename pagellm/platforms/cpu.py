@@ -106,6 +106,18 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 
 
+def available_memory() -> int | None:
+    """Bytes the OS could hand out now without swapping (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def populate(tensors: list[torch.Tensor], threads: int) -> None:
     """Make every page of these CPU tensors resident now, zeroed as they were, on `threads` threads. The OS
     zeroes each page on its first write; inside a step that costs the step, and on a VM whose host has not
@@ -283,6 +295,13 @@ class CpuPlatform(Platform):
         return zeros_on_touch(shape, dtype)
 
     def prefault_kv(self, caches: list[torch.Tensor]) -> None:
+        # Resident now means it has to fit now, beside the steps' activations: refuse at start, with the
+        # numbers, rather than swap or meet the OOM killer (a lazy cache only takes what requests fill).
+        need, free = sum(c.numel() * c.element_size() for c in caches), available_memory()
+        if free is not None and need > 0.9 * free:
+            raise ValueError(f"the KV cache ({need / 2**20:.0f} MiB) does not fit in the {free / 2**20:.0f} MiB of "
+                             "memory available: lower --kv-cache-memory, or pass --lazy-kv-cache to let it "
+                             "become resident only as blocks fill")
         populate(caches, torch.get_num_threads())
 
     def allocate_swap(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
