@@ -5,7 +5,12 @@ figures in benchmarks/NOTES.md (seventeenth session) come from:
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/decode_step_ms.py 8,32,64
 
-Run it alone: the machine has 2 cores.
+Run it alone: the machine has 2 cores. Each figure's runs start at the `time.monotonic()` printed before it,
+so a profile can take just those seconds (the eighteenth session's breakdown of a 64-row step):
+
+    perf record -k CLOCK_MONOTONIC -e cpu-clock -F 1999 -g -o /tmp/p.data \\
+        .venv/bin/python benchmarks/decode_step_ms.py 64
+    perf report -i /tmp/p.data --time START,END --no-children --sort dso,symbol -g none
 """
 
 import sys
@@ -25,6 +30,7 @@ def main() -> None:
         for prompt_len in (16, 400):
             prompts = [torch.randint(100, 40000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
             seconds = []
+            print(f"monotonic {time.monotonic():.3f}: batch {batch}, {prompt_len}-token prompts", flush=True)
             for out in (2, 66):
                 params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
                 t0 = time.perf_counter()
