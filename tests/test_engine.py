@@ -259,10 +259,10 @@ def test_populate_makes_memory_resident_and_keeps_its_contents():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux")
-def test_engine_kv_cache_resident_from_start_unless_lazy(make_llm):
-    """The engine makes its CPU KV cache resident at start (no page faults inside steps); --lazy-kv-cache
-    leaves it to become resident block by block, and both give the same tokens."""
-    eager, lazy = make_llm(kv_cache_memory="32MiB"), make_llm(kv_cache_memory="32MiB", lazy_kv_cache=True)
+def test_engine_kv_cache_resident_from_start_with_prefault(make_llm):
+    """--prefault-kv-cache makes the CPU KV cache resident at start (no page faults inside steps); by
+    default it becomes resident block by block, and both give the same tokens."""
+    eager, lazy = make_llm(kv_cache_memory="32MiB", prefault_kv_cache=True), make_llm(kv_cache_memory="32MiB")
     eager_cache, lazy_cache = eager.engine.runner.kv_caches[0], lazy.engine.runner.kv_caches[0]
     nbytes = eager_cache.numel() * eager_cache.element_size()
     assert _resident_bytes(eager_cache) >= nbytes
@@ -273,10 +273,10 @@ def test_engine_kv_cache_resident_from_start_unless_lazy(make_llm):
 
 def test_kv_cache_that_does_not_fit_in_memory_is_refused_at_start(make_llm, monkeypatch):
     """A cache made resident at start has to fit in the memory available now: one clear error naming the
-    way out, not swapping or the OOM killer; --lazy-kv-cache still starts."""
+    way out, not swapping or the OOM killer; without --prefault-kv-cache it still starts."""
     from pagellm.platforms import cpu
 
     monkeypatch.setattr(cpu, "available_memory", lambda: 34 * 2**20)  # 32 MiB > 90% of it
-    with pytest.raises(ValueError, match=r"KV cache \(32 MiB\) does not fit in the 34 MiB.*--lazy-kv-cache"):
-        make_llm(kv_cache_memory="32MiB")
-    assert greedy_ids(make_llm(kv_cache_memory="32MiB", lazy_kv_cache=True), prompts(1)) != []
+    with pytest.raises(ValueError, match=r"KV cache \(32 MiB\) does not fit in the 34 MiB.*--prefault-kv-cache"):
+        make_llm(kv_cache_memory="32MiB", prefault_kv_cache=True)
+    assert greedy_ids(make_llm(kv_cache_memory="32MiB"), prompts(1)) != []

@@ -30,7 +30,7 @@ class PagellmEngine:
                        + (f", {spec_method} speculative decoding" if spec_method else ""))
         self.info = {"kv_bytes_per_token": eng.bytes_per_block // eng.kv_cache.block_size,
                      "kv_cache_bytes": eng.bytes_per_block * eng.kv_cache.num_blocks,
-                     "kv_cache_lazy": eng.args.lazy_kv_cache,
+                     "kv_cache_prefault": eng.args.prefault_kv_cache,
                      "dtype": ("auto -> " if eng.args.dtype == "auto" else "") + kv_dtype_label(eng.dtype)
                      + f", KV {kv_dtype_label(eng.kv_dtype)}"}
 

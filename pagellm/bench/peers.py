@@ -207,7 +207,7 @@ def _memory_line(results: list[dict]) -> str:
     kv = "".join(f", {r['engine']} {r['kv_bytes_per_token']} ({r['dtype']})" for r in results[1:])
     return (f"memory: peak RSS {rss}; KV bytes/token: pagellm {p['kv_bytes_per_token']} ({p['dtype']}, "
             f"{p['kv_cache_bytes'] / 2**20:.0f} MiB, "
-            f"{'resident as blocks fill' if p.get('kv_cache_lazy') else 'resident from the start'}){kv}")
+            f"{'resident from the start' if p.get('kv_cache_prefault') else 'resident as blocks fill'}){kv}")
 
 
 def _report(ns, benchmark: str, spec: dict, results, skipped, failed) -> dict:

@@ -58,7 +58,7 @@ def build_proposer(args: EngineArgs, max_model_len: int, backend: AttentionBacke
     draft = get_model(path, draft_cfg, platform, dtype, device, packed_weights_only=False)
     num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
     runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, backend, platform,
-                         lazy_kv=args.lazy_kv_cache)
+                         prefault_kv=args.prefault_kv_cache)
     logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
     return DraftModelProposer(UniprocExecutor(runner), sampler, KVCacheManager(num_blocks, args.block_size),
                               args.num_speculative_tokens, max_model_len)

@@ -116,7 +116,7 @@ class LLMEngine:
         if self.model is not None:
             self.runner = ModelRunner(self.model, num_blocks, cache.block_size, kv_dtype, self.device, backend,
                                       platform, num_host_blocks=num_host_blocks, graph_sizes=graph_sizes,
-                                      max_model_len=self.max_model_len, lazy_kv=args.lazy_kv_cache)
+                                      max_model_len=self.max_model_len, prefault_kv=args.prefault_kv_cache)
             self.executor = UniprocExecutor(self.runner)
         else:
             self.executor = start_workers(args, path, dtype, kv_dtype, num_blocks, num_host_blocks)
@@ -149,7 +149,7 @@ class LLMEngine:
             self.startup_seconds, self.weights_bytes / 2**20, per_rank, kv_dtype_label(kv_dtype),
             self.bytes_per_block // cache.block_size, per_rank, num_blocks,
             cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
-            "resident as blocks fill" if args.lazy_kv_cache and self.device.type == "cpu" else "resident now",
+            "resident now" if args.prefault_kv_cache or self.device.type != "cpu" else "resident as blocks fill",
             self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)
 
     @classmethod

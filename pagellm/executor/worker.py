@@ -148,7 +148,7 @@ def _build(spec: WorkerSpec, rank: int, local_ranks: int) -> tuple[ModelRunner, 
     backend = get_attention_backend(args.attention_backend, platform, spec.kv_dtype, spec.dtype,
                                     args.dtype == "auto")
     runner = ModelRunner(model, spec.num_blocks, args.block_size, spec.kv_dtype, device, backend, platform,
-                         num_host_blocks=spec.num_host_blocks, lazy_kv=args.lazy_kv_cache)
+                         num_host_blocks=spec.num_host_blocks, prefault_kv=args.prefault_kv_cache)
     return runner, info
 
 

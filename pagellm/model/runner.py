@@ -45,10 +45,10 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, backend: AttentionBackend, platform, num_host_blocks: int = 0,
                  pipeline=None, graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None,
-                 lazy_kv: bool = False):
+                 prefault_kv: bool = False):
         """graph_sizes: padded decode batch sizes to run as CUDA graphs (the platform's decode_graph_sizes;
-        () for none), whose block tables span max_model_len. lazy_kv: leave the KV cache's memory to become
-        resident as blocks are first written (--lazy-kv-cache) instead of all of it now."""
+        () for none), whose block tables span max_model_len. prefault_kv: make the KV cache's memory resident
+        now (--prefault-kv-cache) instead of page by page as blocks are first written."""
         cfg = model.config
         self.model = model
         self.device = device
@@ -65,7 +65,7 @@ class ModelRunner:
         # more than the manager hands out: the padding rows of a graph's batch write there (cuda_graphs.py).
         shape = (2, num_blocks + graphs, block_size, kv_heads, kv_row_width(cfg.head_dim, kv_dtype))
         self.kv_caches = [platform.allocate_kv(shape, kv_dtype) for _ in range(end - start)]
-        if not lazy_kv:
+        if prefault_kv:
             platform.prefault_kv(self.kv_caches)
         # Swap space in host memory; on a GPU pinned, copied asynchronously on a side stream (kv_swap.py).
         self.swap = None

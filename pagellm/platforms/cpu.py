@@ -296,12 +296,13 @@ class CpuPlatform(Platform):
 
     def prefault_kv(self, caches: list[torch.Tensor]) -> None:
         # Resident now means it has to fit now, beside the steps' activations: refuse at start, with the
-        # numbers, rather than swap or meet the OOM killer (a lazy cache only takes what requests fill).
+        # numbers, rather than swap or meet the OOM killer (without --prefault-kv-cache the cache only
+        # takes what requests fill).
         need, free = sum(c.numel() * c.element_size() for c in caches), available_memory()
         if free is not None and need > 0.9 * free:
             raise ValueError(f"the KV cache ({need / 2**20:.0f} MiB) does not fit in the {free / 2**20:.0f} MiB of "
-                             "memory available: lower --kv-cache-memory, or pass --lazy-kv-cache to let it "
-                             "become resident only as blocks fill")
+                             "memory available: lower --kv-cache-memory, or leave out --prefault-kv-cache to let "
+                             "it become resident only as blocks fill")
         populate(caches, torch.get_num_threads())
 
     def allocate_swap(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
