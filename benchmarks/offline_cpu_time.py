@@ -8,9 +8,9 @@ here were made on CPU time:
         .venv/bin/python benchmarks/offline_cpu_time.py '{"dtype": "auto"}' [--profile]
 
 --profile: the run under cProfile with a CPU-time clock, the top functions by own CPU time (--wall: with
-the wall clock). --runs N: the workload N times in the same engine, each run's minor page faults and the
-peak RSS printed too (the eighteenth session's page-fault figures: '{"dtype": "auto"}' --runs 3, and with
-"prefault_kv_cache": true).
+the wall clock). --runs N: the workload N times in the same engine. Each run prints its minor page faults
+and the peak RSS so far, after the engine's start-up time (the eighteenth session's page-fault figures:
+'{"dtype": "auto"}' --runs 3, and '{"dtype": "auto", "prefault_kv_cache": true}' against '{"dtype": "auto"}').
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def main(prompt_lens: tuple[int, int] = (32, 512), output_lens: tuple[int, int] 
     """64 random requests with lengths in these ranges; engine options from argv[1] (JSON) or the default."""
     given = len(sys.argv) > 1 and not sys.argv[1].startswith("--")
     options = json.loads(sys.argv[1]) if given else dict(default_options or {})
+    t0 = time.perf_counter()
     llm = LLM(None, enable_prefix_caching=False, **options)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # kernel build, first touches
+    print(f"ready after {time.perf_counter() - t0:.2f} s", flush=True)
     wl = random_workload(64, llm.engine.model_config.vocab_size, prompt_lens, output_lens, 0)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in wl]
 
@@ -51,10 +53,9 @@ def main(prompt_lens: tuple[int, int] = (32, 512), output_lens: tuple[int, int] 
         out = run()
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         n = sum(len(o.outputs[0].token_ids) for o in out)
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        extra = (f", {usage.ru_minflt - faults} minor faults, peak RSS {usage.ru_maxrss / 2**20:.2f} GiB"
-                 if runs > 1 else "")
-        print(f"{options}: {wall:.2f} s wall, {cpu:.2f} s CPU, {n / wall:.1f} output tok/s{extra}", flush=True)
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # ru_maxrss: KiB on Linux
+        print(f"{options}: {wall:.2f} s wall, {cpu:.2f} s CPU, {n / wall:.1f} output tok/s, "
+              f"{usage.ru_minflt - faults} minor faults, peak RSS {usage.ru_maxrss / 2**20:.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
+PREFAULT_MAX_SHARE = 0.9  # of MemAvailable a prefaulted KV cache may take (the steps' activations need the rest)
 
 
 def available_memory() -> int | None:
@@ -119,11 +120,11 @@ def available_memory() -> int | None:
 
 
 def populate(tensors: list[torch.Tensor], threads: int) -> None:
-    """Make every page of these CPU tensors resident now, zeroed as they were, on `threads` threads. The OS
+    """Make every page of these CPU tensors resident now, contents unchanged, on `threads` threads. The OS
     zeroes each page on its first write; inside a step that costs the step, and on a VM whose host has not
-    backed the memory yet each first touch is several microseconds (the offline workload on a 2-core Xeon VM
-    faulted ~200k KV pages in its first run: 587 vs 643 tok/s with the cache populated at start,
-    benchmarks/NOTES.md). vLLM and llama.cpp also write their whole KV cache at start."""
+    backed the memory yet each first touch is several microseconds (benchmarks/page_touch.py; the offline
+    workload's first run on a 2-core Xeon VM +3-8% with its KV cache populated in one hour, nothing the
+    next: benchmarks/NOTES.md, eighteenth session). vLLM and llama.cpp write their whole KV cache at start."""
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes releases the GIL: the threads overlap
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -299,7 +300,7 @@ class CpuPlatform(Platform):
         # numbers, rather than swap or meet the OOM killer (without --prefault-kv-cache the cache only
         # takes what requests fill).
         need, free = sum(c.numel() * c.element_size() for c in caches), available_memory()
-        if free is not None and need > 0.9 * free:
+        if free is not None and need > PREFAULT_MAX_SHARE * free:
             raise ValueError(f"the KV cache ({need / 2**20:.0f} MiB) does not fit in the {free / 2**20:.0f} MiB of "
                              "memory available: lower --kv-cache-memory, or leave out --prefault-kv-cache to let "
                              "it become resident only as blocks fill")
