@@ -13,6 +13,7 @@ from pagellm.kernels import cpu_kernels, ops
 from pagellm.model.attention.base import AttentionMetadata
 from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
 from pagellm.quant.formats import FORMATS, PackedWeight, group_size, pack_gguf_blocks
+from pagellm.quant.kv_cache import dequantize_rows, quantize_rows
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="native CPU kernels could not be built here")
 
@@ -273,16 +274,18 @@ def test_paged_attention_matches_reference(window, kv_dtype):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, F16_KV])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, F16_KV, torch.int8])
 @pytest.mark.parametrize("kv_heads,heads,d", [(3, 9, 64), (1, 5, 128), (2, 16, 64)])
 def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype, kv_heads, heads, d):
     """A row's output is bit-identical whether it is attended alone (split by head across threads) or
     among many rows (split by row; AVX-512 builds then take up to 4 query heads of a KV head at once,
     attention_grouped.h: groups of 3, 4 + 1 and 4 + 4 here), whatever its length mod 4 (keys are scored
-    four at a time): what keeps speculative verification rows equal to one-row decoding."""
+    four at a time): what keeps speculative verification rows equal to one-row decoding. int8 rows (the
+    default under --dtype auto on AVX-512 BF16) carry their scale, applied per key on both paths."""
     torch.manual_seed(1)
     block_size, num_blocks = 16, 12
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, d).to(kv_dtype)
+    values = torch.randn(2, num_blocks, block_size, kv_heads, d)
+    cache = quantize_rows(values, kv_dtype) if kv_dtype == torch.int8 else values.to(kv_dtype)
     table = torch.randperm(num_blocks)[:10].reshape(1, 10)
     positions = torch.tensor([3, 17, 18, 19, 20, 64, 101, 150])
     q = torch.randn(len(positions), heads, d)
@@ -296,8 +299,9 @@ def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype, kv_head
             assert torch.equal(alone[0], together[i])
     finally:
         torch.set_num_threads(threads)
-    keys = cache[0][table[0]].reshape(-1, kv_heads, d)[:151].float()  # the request's keys in order
-    vals = cache[1][table[0]].reshape(-1, kv_heads, d)[:151].float()
+    stored = dequantize_rows(cache) if kv_dtype == torch.int8 else cache.float()
+    keys = stored[0][table[0]].reshape(-1, kv_heads, d)[:151]  # the request's keys in order
+    vals = stored[1][table[0]].reshape(-1, kv_heads, d)[:151]
     i, p = 6, 101
     g = heads // kv_heads
     k, v = keys[:p + 1].repeat_interleave(g, dim=1), vals[:p + 1].repeat_interleave(g, dim=1)
@@ -313,7 +317,7 @@ def test_paged_attention_reads_quantized_caches(window, kv_dtype):
     """int8 (in-band scales) and fp8 caches: the kernel writes torch's bytes, reads them like the
     reference (within 1e-5: int8's scale is applied per key, not per element), and a row's output does
     not depend on its neighbours (bit-identical alone and among others)."""
-    from pagellm.quant.kv_cache import kv_row_width, quantize_rows
+    from pagellm.quant.kv_cache import kv_row_width
 
     torch.manual_seed(2)
     block_size, num_blocks, kv_heads, heads, d = 4, 40, 2, 6, 16

@@ -1,6 +1,6 @@
 """The bf16 flash-attention kernel for prefill chunks (kernels/cpu/prefill_attention.cpp), used under
 `--dtype auto` where the CPU has AVX-512 BF16: against float32 SDPA over the same paged cache, with a
-cached prefix or without, GQA, ragged lengths, float32 and float16 caches. Tolerance: q, k, v and the
+cached prefix or without, GQA, ragged lengths, float32, float16 and int8 caches. Tolerance: q, k, v and the
 probabilities are rounded to bf16 (8 significant bits), sums stay float32; measured max |error| 0.009-0.018
 on outputs of magnitude 1.6-3.7 (random q of std 2, keys and values of std 1)."""
 
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from pagellm.kernels import ops
 from pagellm.platforms import get_platform
 from pagellm.platforms.cpu import PREFILL_ATTENTION
+from pagellm.quant.kv_cache import dequantize_rows, quantize_rows
 
 MAX_ABS_TOL = 0.05
 MEAN_ABS_TOL = 5e-3
@@ -50,6 +51,25 @@ def test_matches_float32_sdpa_within_bf16_rounding(nq, seq_len, dtype, tiles):
     err = (out - ref).abs()
     assert err.max() < MAX_ABS_TOL and err.mean() < MEAN_ABS_TOL
     assert err.max() > 0  # bf16 really ran (a float32 path would be within 1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("nq,seq_len", [(33, 50), (300, 333)])
+@pytest.mark.parametrize("tiles", [False, True])
+def test_reads_int8_caches_as_their_dequantized_values(nq, seq_len, tiles):
+    """An int8 cache (rows of head_dim codes and a float16 scale): as float32 SDPA over the dequantized rows,
+    within the same bf16 tolerance."""
+    q, cache, table, _ = _paged(nq, seq_len, torch.float32)
+    stored = quantize_rows(cache, torch.int8)
+    blocks = table[: -(-seq_len // 16)]
+    k, v = (dequantize_rows(stored[i, blocks]).reshape(-1, 3, 64)[:seq_len] for i in (0, 1))
+    mask = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - nq, seq_len).unsqueeze(1)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=64 ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    out = ops.prefill_attention_bf16(q, stored, table, seq_len, 64 ** -0.5, tiles=tiles)
+    err = (out - ref).abs()
+    assert err.max() < MAX_ABS_TOL and err.mean() < MEAN_ABS_TOL
+    assert err.max() > 0
 
 
 @needs_kernel
@@ -105,12 +125,13 @@ def test_declines_what_it_does_not_take():
 def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch):
     p = get_platform("cpu")
     assert p.bf16_prefill_attention(False, torch.float16) is None  # --dtype float32 stays exact
-    assert p.bf16_prefill_attention(True, torch.int8) is None
+    assert p.bf16_prefill_attention(True, torch.float8_e4m3fn) is None  # fp8 caches: float32 SDPA
     amx = "amx_bf16" in p.isa
     expected = (None if not (p.bf16_dot_products and p.native_kernels)
                 else ("kernel" if ops.has_amx_prefill_attention() else "sdpa") if amx
                 else "kernel" if ops.has_bf16_prefill_attention() else None)
     assert p.bf16_prefill_attention(True, torch.float16) == expected
+    assert p.bf16_prefill_attention(True, torch.int8) == expected
     chosen = p.bf16_prefill_attention(True, p.auto_kv_dtype(torch.float32))
     assert p.describe()["prefill_attention"] == PREFILL_ATTENTION[chosen]  # what `pagellm info` and bench print
     assert ("prefill_attention " + PREFILL_ATTENTION[chosen]) in p.summary_line()

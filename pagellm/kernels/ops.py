@@ -184,10 +184,10 @@ def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
     """Causal attention of one request's newest q.shape[0] positions (q: [n, H, D], rows may be strided) over
     its keys 0..seq_len-1 in the paged cache, in bf16 with float32 sums (cpu/prefill_attention.cpp): on AMX
     tiles where the build and the OS have them and `tiles` (has_amx_prefill_attention), else vdpbf16ps; None
-    where the kernel does not take this shape or KV dtype (D not a multiple of 64, int8/fp8 caches)."""
+    where the kernel does not take this shape or KV dtype (D not a multiple of 64, fp8 caches)."""
     n, h, d = q.shape
     _, num_blocks, block_size, num_kv, _ = kv_cache.shape
-    if kv_cache.dtype not in (torch.float32, torch.float16) or q.stride(2) != 1 or q.stride(1) != d:
+    if kv_cache.dtype not in (torch.float32, torch.float16, torch.int8) or q.stride(2) != 1 or q.stride(1) != d:
         return None
     out = torch.empty(n, h, d, dtype=torch.float32)
     rc = library().pagellm_prefill_attention_bf16(

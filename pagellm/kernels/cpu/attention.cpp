@@ -160,14 +160,14 @@ inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int
 }
 
 #ifdef PAGELLM_WIDE_ATTENTION
-// weighted_values 16 lanes at a time: o[0, 16 * NC), float32 and float16 caches (no per-key scale).
+// weighted_values 16 lanes at a time: o[0, 16 * NC), float32, float16 and int8 caches (v: the rows' starts).
 template <int NC, typename T>
 inline void weighted_values16(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
                               const float* p, const T* v, float inv_sum, float* o) {
     __m512 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
     for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
-        const __m512 w = _mm512_set1_ps(p[i]);
+        const __m512 w = _mm512_set1_ps(scaled_weight(p[i], v + off, a.D, 0));
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + off + 16 * c), acc[c]);
     }, v);
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));

@@ -2,7 +2,8 @@
 // converted once for the group instead of once per query head. Every (row, head, key) gets exactly the
 // operations of attention.cpp's per-head path (dot4_16's products and reduction, weighted_values16's
 // accumulation, the same softmax), so the two paths give the same bits and a step's results do not depend
-// on which one ran. float32 and float16 caches, D of 64 or 128; included by attention.cpp after its helpers.
+// on which one ran. float32, float16 and int8 caches (the int8 row's scale per key, as there), D of 64 or
+// 128; included by attention.cpp after its helpers.
 #pragma once
 
 #ifdef PAGELLM_WIDE_ATTENTION
@@ -32,12 +33,17 @@ inline void group_scores(const AttentionArgs<T>& a, const HeadView& h, const T* 
                 for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(qv, kv[j], acc[g][j]);
             }
         }
+        // int8: score = (k_scale * (q . k_int)) * softmax scale, as attend_head's
+        constexpr bool scaled = std::is_same_v<T, int8_t>;
+        __m128 row_scales = _mm_setzero_ps();
+        if constexpr (scaled)
+            row_scales = _mm_setr_ps(row_scale(k[0], D), row_scale(k[1], D), row_scale(k[2], D), row_scale(k[3], D));
         for (int g = 0; g < NG; ++g) {
             const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(fold16(acc[g][0]), fold16(acc[g][1])),
                                             _mm256_hadd_ps(fold16(acc[g][2]), fold16(acc[g][3])));
             const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
             float out[4];
-            _mm_storeu_ps(out, _mm_mul_ps(dots, _mm_set1_ps(a.scale)));
+            _mm_storeu_ps(out, _mm_mul_ps(scaled ? _mm_mul_ps(dots, row_scales) : dots, _mm_set1_ps(a.scale)));
             std::memcpy(scores[g] + start, out, sizeof(float) * filled);
         }
         start += filled;
@@ -60,8 +66,9 @@ inline void group_values(const AttentionArgs<T>& a, const HeadView& h, const T* 
     for_each_key(a, h.table, h.first, h.pos, [&](int64_t i, int64_t off) {
         __m512 v[4];
         for (int c = 0; c < 4; ++c) v[c] = load16(values + off + d0 + 16 * c);
+        const float row = scaled_weight(1.f, values + off, a.D, 0);  // the int8 row's scale, else 1
         for (int g = 0; g < NG; ++g) {
-            const __m512 w = _mm512_set1_ps(p[g][i]);
+            const __m512 w = _mm512_set1_ps(p[g][i] * row);  // scaled_weight's p * scale
             for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
         }
     }, values);

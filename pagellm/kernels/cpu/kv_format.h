@@ -72,12 +72,38 @@ inline float row_scale(const T* row, int D) {
     if constexpr (std::is_same_v<T, int8_t>) {
         uint16_t h;
         std::memcpy(&h, row + D, 2);
+#ifdef PAGELLM_SIMD_ATTENTION
+        return _cvtsh_ss(h);  // exact, as half_to_float, in one instruction (the decode kernel reads one per key)
+#else
         return half_to_float(h);
+#endif
     } else {
         (void)row, (void)D;
         return 1.f;
     }
 }
+
+#if defined(PAGELLM_SIMD_ATTENTION) && defined(__AVX512F__)
+// store_token's int8 row, vectorized: the same maximum (a NaN never wins it: max_ps returns its second operand
+// then), the same scale, the same division and rounding to nearest even, the clamp to +-127 done first (the
+// same codes: 127 is an integer) and NaN to 0.
+inline void store_int8_row16(const float* src, int8_t* dst, int D) {
+    __m512 m = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(src + d)), m);
+    const float amax = _mm512_reduce_max_ps(m);
+    const uint16_t sh = normal_to_half(std::min(std::max(amax / 127.f, 0x1p-14f), 65504.f));
+    const __m512 s = _mm512_set1_ps(_cvtsh_ss(sh)), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (int d = 0; d < D; d += 16) {
+        const __m512 x = _mm512_div_ps(_mm512_loadu_ps(src + d), s);
+        const __mmask16 number = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+        const __m512 c = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+        const __m512i q = _mm512_maskz_mov_epi32(number, _mm512_cvt_roundps_epi32(c, _MM_FROUND_TO_NEAREST_INT |
+                                                                                         _MM_FROUND_NO_EXC));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtepi32_epi8(q));
+    }
+    std::memcpy(dst + D, &sh, 2);
+}
+#endif
 
 // Stores one token's KV heads (src: KV rows of D floats, contiguous) into dst (KV rows of D + row_extra).
 template <typename T>
@@ -94,6 +120,12 @@ inline void store_token(const float* src, T* dst, int KV, int D) {
         for (; i < n; ++i) dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT));
 #endif
     } else if constexpr (std::is_same_v<T, int8_t>) {
+#if defined(PAGELLM_SIMD_ATTENTION) && defined(__AVX512F__)
+        if (D % 16 == 0) {  // the same bits 16 at a time (a prefill chunk writes thousands of rows)
+            for (int h = 0; h < KV; ++h, src += D, dst += D + 2) store_int8_row16(src, dst, D);
+            return;
+        }
+#endif
         for (int h = 0; h < KV; ++h, src += D, dst += D + 2) {
             float amax = 0.f;
             for (int d = 0; d < D; ++d) amax = std::max(amax, std::fabs(src[d]));
@@ -136,14 +168,20 @@ inline __m256 load8(const e4m3_t* p) {
 #endif
 
 #if defined(PAGELLM_SIMD_ATTENTION) && defined(__AVX512F__)
-// 16 elements at a time for the formats that convert in one instruction (float32, float16): half the
-// instructions of two load8 on the decode kernel's products (attention.cpp).
+// 16 elements at a time for float32, float16 and int8 (two instructions): half the instructions of two load8 on
+// the decode kernel's products (attention.cpp).
 #define PAGELLM_WIDE_ATTENTION 1
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// int8: the codes, unscaled (the caller applies the row's scale per key, as with load8).
+inline __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 template <typename T>
-constexpr bool loads16() { return std::is_same_v<T, float> || std::is_same_v<T, uint16_t>; }
-// dot4 16 lanes at a time (D % 16 == 0), for float32 and float16 caches.
+constexpr bool loads16() {
+    return std::is_same_v<T, float> || std::is_same_v<T, uint16_t> || std::is_same_v<T, int8_t>;
+}
+// dot4 16 lanes at a time (D % 16 == 0), for float32, float16 and int8 caches (int8: unscaled).
 template <typename T>
 inline __m128 dot4_16(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int D) {
     __m512 qv = _mm512_loadu_ps(q);

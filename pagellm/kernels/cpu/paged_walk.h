@@ -40,7 +40,7 @@ template <typename T, typename F>
 inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f,
                          const T* pf = nullptr) {
     const int bs = a.block_size;
-    const int64_t row_bytes = (int64_t)a.D * sizeof(T);
+    const int64_t row_bytes = a.row * (int64_t)sizeof(T);  // int8 rows (D + 2 bytes) may straddle a line more
     const bool prefetch = a.prefetch && pf != nullptr;
     for (int64_t j = first; j <= pos;) {
         const int64_t b = j / bs;
@@ -51,6 +51,7 @@ inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_
                 const int64_t ahead = k + PREFETCH_KEYS;
                 const char* p = reinterpret_cast<const char*>(pf + (table[ahead / bs] * bs + ahead % bs) * a.stride);
                 for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
+                __builtin_prefetch(p + row_bytes - 1, 0, 3);  // the last line of an unaligned row
             }
             f(i, off);
         }

@@ -39,15 +39,25 @@ inline uint16_t bf16_bits(float x) {  // round to nearest even (finite inputs)
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 inline __m512i as_si(__m512bh x) { return reinterpret_cast<__m512i&>(x); }
 
-// D values of a float32 or float16 cache row as bf16 (round to nearest even, as bf16_bits), zeros for no row.
+// D values of a float32, float16 or int8 cache row as bf16 (round to nearest even, as bf16_bits), zeros for no row.
 inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
 inline __m512 load16(const uint16_t* src) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
+// int8 rows: each code times the row's scale (kv_format.h; the decode kernel scales q . k instead: both are
+// within the bf16 rounding that follows).
+inline __m512 load16(const int8_t* src, __m512 scale) {
+    const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(codes), scale);
+}
+inline __m512 load16(const float* src, __m512) { return load16(src); }
+inline __m512 load16(const uint16_t* src, __m512) { return load16(src); }
 template <typename T>
 inline void row_to_bf16(const T* src, uint16_t* dst, int D) {
+    const __m512 scale = _mm512_set1_ps(src ? row_scale(src, D) : 0.f);
     for (int d = 0; d < D; d += 32)
-        _mm512_store_si512(dst + d, src ? as_si(_mm512_cvtne2ps_pbh(load16(src + d + 16), load16(src + d)))
+        _mm512_store_si512(dst + d, src ? as_si(_mm512_cvtne2ps_pbh(load16(src + d + 16, scale),
+                                                                    load16(src + d, scale)))
                                         : _mm512_setzero_si512());
 }
 
@@ -77,7 +87,8 @@ Packed pack_kv(const T* kv, int64_t plane, int64_t stride, int block_size, const
             alignas(64) uint16_t kb[16][256], vb[16][256];
             for (int lane = 0; lane < 16; ++lane) {
                 const int64_t j = tile * 16 + lane;
-                const int64_t off = j < seq_len ? (table[j / block_size] * block_size + j % block_size) * stride + h * D
+                const int64_t off = j < seq_len ? (table[j / block_size] * block_size + j % block_size) * stride +
+                                                      h * (D + row_extra<T>())
                                                 : -1;
                 row_to_bf16(off < 0 ? nullptr : kv + off, kb[lane], D);
                 row_to_bf16(off < 0 ? nullptr : kv + plane + off, vb[lane], D);
@@ -198,7 +209,7 @@ template <typename T>
 void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const T* kv, int64_t num_blocks,
                        int block_size, int KV, const int64_t* table, int64_t seq_len, float scale, float* out,
                        int64_t ldo, int nthreads, bool tiles) {
-    const int64_t stride = (int64_t)KV * D, plane = num_blocks * block_size * stride;
+    const int64_t stride = (int64_t)KV * (D + row_extra<T>()), plane = num_blocks * block_size * stride;
     const Packed p = pack_kv(kv, plane, stride, block_size, table, seq_len, KV, D, nthreads);
 #ifdef PAGELLM_AMX_ATTENTION
     tiles = tiles && pagellm_amx_ready();
@@ -238,9 +249,9 @@ void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const 
 
 // q: [nq, H, D] float32 (row stride ldq), the request's newest nq positions seq_len - nq .. seq_len - 1;
 // out: [nq, H, D] (row stride ldo). kv: the paged cache [2, num_blocks, block_size, KV, D] (kv_format
-// float32 or float16), table: the request's block ids. Returns 0, or -1 where this build has no bf16 kernel
-// or the shape or format is not one it takes (D a multiple of 64 up to 256, H % KV, float32/float16). tiles:
-// run the work items on AMX tiles where this build and the OS have them (prefill_attention_amx.h).
+// float32, float16 or int8: rows of D + 2), table: the request's block ids. Returns 0, or -1 where this build
+// has no bf16 kernel or the shape or format is not one it takes (D a multiple of 64 up to 256, H % KV,
+// float32/float16/int8). tiles: run the work items on AMX tiles where this build and the OS have them (prefill_attention_amx.h).
 extern "C" int pagellm_prefill_attention_bf16(const float* q, int64_t ldq, int nq, int H, int D, const void* kv,
                                               int64_t num_blocks, int block_size, int KV, const int64_t* table,
                                               int64_t seq_len, float scale, float* out, int64_t ldo, int nthreads,
@@ -252,6 +263,9 @@ extern "C" int pagellm_prefill_attention_bf16(const float* q, int64_t ldq, int n
                           scale, out, ldo, nthreads, tiles);
     else if (kv_format == KV_F16)
         prefill_attention(q, ldq, nq, H, D, static_cast<const uint16_t*>(kv), num_blocks, block_size, KV, table,
+                          seq_len, scale, out, ldo, nthreads, tiles);
+    else if (kv_format == KV_I8)
+        prefill_attention(q, ldq, nq, H, D, static_cast<const int8_t*>(kv), num_blocks, block_size, KV, table,
                           seq_len, scale, out, ldo, nthreads, tiles);
     else
         return -1;
