@@ -3,14 +3,15 @@ outputs agree, and float32's top-1 margin where they part (the figures behind te
 bounds; the prompts are the test's). Twice: all 27 prompts in one batch (decode steps of 27 rows: the bf16
 GEMMs), and at most 4 running at once (decode steps of <= 4 rows: the packed kernels, with int8 activations
 where the platform chose them), the same with `--no-int8-activations` (float32 few-row products); then
-float32 with `--int8-activations` at most 4 at once.
+float32 with `--int8-activations` at most 4 at once; then auto with an int8 KV cache, both ways.
 
-    .venv/bin/python benchmarks/dtype_auto_quality.py
+    .venv/bin/python benchmarks/dtype_auto_quality.py [WORD ...]   (only the configs whose label has a WORD)
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 
 from pagellm import LLM, SamplingParams
 
@@ -39,8 +40,15 @@ def main() -> None:
                ("auto, max_num_seqs 4", {"dtype": "auto", "max_num_seqs": 4}),
                ("auto --no-int8-activations, max_num_seqs 4",
                 {"dtype": "auto", "max_num_seqs": 4, "int8_activations": False}),
-               ("float32 + int8 activations, max_num_seqs 4", {"int8_activations": True, "max_num_seqs": 4})]
+               ("float32 + int8 activations, max_num_seqs 4", {"int8_activations": True, "max_num_seqs": 4}),
+               ("auto --kv-cache-dtype int8, max_num_seqs 256",
+                {"dtype": "auto", "max_num_seqs": 256, "kv_cache_dtype": "int8"}),
+               ("auto --kv-cache-dtype int8, max_num_seqs 4",
+                {"dtype": "auto", "max_num_seqs": 4, "kv_cache_dtype": "int8"})]
+    wanted = sys.argv[1:]  # labels containing any of these words (all configs without)
     for label, options in configs:
+        if wanted and not any(w in label for w in wanted):
+            continue
         b = LLM(None, **options).generate(PROMPTS, params, use_tqdm=False)
         diffs, margins = compare(a, b)
         print(f"{label}: {len(diffs)} tokens while outputs agree: median "

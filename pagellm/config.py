@@ -203,9 +203,11 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: int | str = "256MiB"
     attention_backend: str = "auto"
-    # KV cache element type: "auto" follows dtype. float16 halves the cache's bytes per token (twice the
-    # tokens in the same memory, half the bytes attention reads per decode step) at the cost of rounding
-    # keys and values to 11 significant bits, as llama.cpp's default f16 cache does (tests/test_kv_cache_dtype.py).
+    # KV cache element type: "auto" follows dtype (under --dtype auto, the platform's choice: int8 rows where
+    # both CPU attention kernels read them, else float16, platforms/cpu.py auto_kv_dtype). float16 halves the
+    # cache's bytes per token (twice the tokens in the same memory, half the bytes attention reads per decode
+    # step) at the cost of rounding keys and values to 11 significant bits, as llama.cpp's default f16 cache
+    # does (tests/test_kv_cache_dtype.py); int8 about a quarter (tests/test_kv_quant.py).
     kv_cache_dtype: str = "auto"
     # Packed matmuls (steps of <= 20 rows) round activations to int8 per 32 values (llama.cpp's scheme):
     # faster single-stream decode on the CPU, logprobs no longer float32-exact (tests/test_kernels.py).

@@ -246,11 +246,19 @@ class CpuPlatform(Platform):
         return self.native_kernels and ops.has_fine_int8_activations()
 
     def auto_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """float16 where the platform chose bf16 GEMMs and the paged kernel reads float16 in place: half the
-        bytes per token (twice the tokens per --kv-cache-memory) and decode attention, which streams the
-        whole KV of every row each step, reads half as much (offline workload -5 to -9% CPU time on the
-        Zen 5 VM, benchmarks/NOTES.md)."""
-        if self.bf16_dot_products and self.kv_dtype_readable_natively(torch.float16):
+        """Where the platform chose bf16 GEMMs: int8 rows (head_dim codes and a float16 scale per token and KV
+        head) where the build reads them in both attention kernels (decode 16 lanes at a time, prefill in bf16:
+        AVX-512 BF16), else float16 where the paged kernel reads that in place. Decode attention streams every
+        row's whole KV each step and is memory-bound: float32 -> float16 took the offline workload -5 to -9%
+        CPU time on the Zen 5 VM, float16 -> int8 +8-13% output tok/s on the Xeon VM, with 0.54x the bytes
+        per token (benchmarks/NOTES.md, nineteenth session; the logprob cost is in tests/test_dtype_auto.py)."""
+        if not self.bf16_dot_products:
+            return dtype
+        from pagellm.kernels import ops
+
+        if self.kv_dtype_readable_natively(torch.int8) and ops.has_bf16_prefill_attention():
+            return torch.int8
+        if self.kv_dtype_readable_natively(torch.float16):
             return torch.float16
         return dtype
 
@@ -267,8 +275,10 @@ class CpuPlatform(Platform):
         (1.4-2.0x faster than torch's bf16 SDPA over the gathered cache on the Xeon VM at 512-2,048 tokens) and on
         AVX-512 BF16 `vdpbf16ps` without AMX (3x torch's bf16 SDPA on the Zen 5 VM); "sdpa" with AMX-BF16 but no
         tile kernel (torch's flash attention on bf16 inputs, whose products oneDNN runs on AMX tiles); None: float32
-        SDPA. Both read float32 and float16 caches; outputs within bf16 rounding (tests/test_prefill_attention.py)."""
-        if not (auto and self.bf16_dot_products and self.native_kernels and kv_dtype in (torch.float32, torch.float16)):
+        SDPA. Both read float32, float16 and int8 caches; outputs within bf16 rounding
+        (tests/test_prefill_attention.py)."""
+        if not (auto and self.bf16_dot_products and self.native_kernels
+                and kv_dtype in (torch.float32, torch.float16, torch.int8)):
             return None
         from pagellm.kernels import ops
 
