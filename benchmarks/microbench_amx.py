@@ -4,9 +4,11 @@ distinct random weights, so each product finds its weights in memory as in an en
 head (49,152 x 576, float32 logits from the tiles, bf16 from oneDNN), 2 threads, milliseconds (median of 7),
 at several row counts.
 
-    OMP_NUM_THREADS=2 env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/microbench_amx.py
+    OMP_NUM_THREADS=2 env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/microbench_amx.py \
+        [--vdpbf16ps] [--rows 8 16 ...]
 
-Run it alone: the machine has 2 cores. Needs a CPU with AMX-BF16 (pagellm info: "amx-bf16-q4").
+Run it alone: the machine has 2 cores. Needs a CPU with AMX-BF16 (pagellm info: "amx-bf16-q4"), or with
+--vdpbf16ps one with AVX-512 BF16 ("avx512-bf16-q4": the same blocks on vdpbf16ps, the path CPUs without AMX take).
 """
 
 import argparse
@@ -34,9 +36,14 @@ def random_q4_1(n: int, k: int) -> PackedWeight:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 48, 64, 128, 256])
+    ap.add_argument("--vdpbf16ps", action="store_true", help="the AVX-512 BF16 kernel instead of AMX tiles")
     args = ap.parse_args()
-    if not amx.amx_ready():
+    tiles_on = not args.vdpbf16ps
+    if tiles_on and not amx.amx_ready():
         raise SystemExit("no AMX tiles here (build path amx-bf16-q4, or the OS refused the tile state)")
+    if not tiles_on and not amx.bf16dp_ready():
+        raise SystemExit("no AVX-512 BF16 kernel here (build path avx512-bf16-q4)")
+    name = "AMX q4_1 tiles" if tiles_on else "vdpbf16ps q4_1"
     torch.set_num_threads(2)
     weights = [[random_q4_1(n, k) for n, k in SHAPES] for _ in range(LAYERS)]
     tiles = [[amx.pack(w) for w in layer] for layer in weights]
@@ -59,12 +66,12 @@ def main() -> None:
         def tiled(xs=xs):
             for layer in tiles:
                 for (_, k), w in zip(SHAPES, layer, strict=True):
-                    amx.linear(xs[k], w, torch.bfloat16)
+                    amx.linear(xs[k], w, torch.bfloat16, tiles=tiles_on)
 
         a, b = median_ms(onednn), median_ms(tiled)
         ha = median_ms(lambda xs=xs: torch.ops.mkldnn._linear_pointwise(xs[576], head_bf16, None, "none", [], ""))
-        hb = median_ms(lambda xs=xs: amx.linear(xs[576], head_tiles))
-        print(f"{rows:4d} rows: layers oneDNN bf16 {a:6.2f} ms, AMX q4_1 tiles {b:6.2f} ms ({a / b:.2f}x); "
+        hb = median_ms(lambda xs=xs: amx.linear(xs[576], head_tiles, tiles=tiles_on))
+        print(f"{rows:4d} rows: layers oneDNN bf16 {a:6.2f} ms, {name} {b:6.2f} ms ({a / b:.2f}x); "
               f"LM head {ha:5.2f} vs {hb:5.2f} ms ({ha / hb:.2f}x)")
 
 

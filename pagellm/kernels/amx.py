@@ -49,6 +49,13 @@ def amx_ready() -> bool:
     return cpu_kernels() is not None and bool(library().pagellm_amx_ready())
 
 
+@functools.cache
+def bf16dp_ready() -> bool:
+    """Whether the kernels were built with the vdpbf16ps twin of the tile products (build feature bit 8,
+    "avx512-bf16-q4": AVX-512 BF16), for CPUs with bf16 dot products and no AMX."""
+    return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 8 & 1)
+
+
 def packs(w: PackedWeight) -> bool:
     """Whether pack takes this weight: q4_1 or q8_0 blocks in natural column order, N a multiple of 32."""
     return w.kind in KINDS and w.perm is None and w.out_features % STRIP == 0 and w.in_features % BLOCK == 0
@@ -80,19 +87,21 @@ def pack(w: PackedWeight) -> AmxBlocks:
     return AmxBlocks(w.kind, tile, per_group(w.d), per_group(w.m), n, k)
 
 
-def linear(x: torch.Tensor, w: AmxBlocks, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def linear(x: torch.Tensor, w: AmxBlocks, out_dtype: torch.dtype = torch.float32, tiles: bool = True) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 (rows may be strided) @ W^T -> [M, N] in out_dtype (float32 or bfloat16),
-    x rounded to bf16 and float32 sums as the oneDNN bf16 path."""
+    x rounded to bf16 and float32 sums as the oneDNN bf16 path; on AMX tiles, or (tiles=False) on AVX-512 BF16
+    vdpbf16ps over the same blocks."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     if k != w.in_features:
         raise ValueError(f"amx.linear: x has {k} columns, the weight {w.in_features}")
     y = torch.empty(m, w.out_features, dtype=out_dtype)
-    rc = library().pagellm_packed_linear_amx(
+    kernel = library().pagellm_packed_linear_amx if tiles else library().pagellm_packed_linear_bf16dp
+    rc = kernel(
         KINDS[w.kind], x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), m, k, w.codes.data_ptr(),
         w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.out_features, y.data_ptr(), y.stride(0),
         int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if rc:
-        raise RuntimeError("amx.linear: this build or process has no AMX tiles")
+        raise RuntimeError("amx.linear: this build or process has no " + ("AMX tiles" if tiles else "AVX-512 BF16"))
     return y

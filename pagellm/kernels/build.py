@@ -41,7 +41,7 @@ ISA_MACROS = ["AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512B
 # Bit i of pagellm_build_features() (cpu/features.cpp): the hand-written kernel paths compiled into the
 # library (AVX2+FMA, F16C, VNNI; the compiler may still auto-vectorize plain loops for any ISA in "isa").
 PATHS = ["avx2-fma", "f16c-kv", "vnni-int8", "avx512-bf16-prefill-attention", "avx512-vnni-int8", "amx-bf16-q4",
-         "int8-tiles", "amx-prefill-attention"]
+         "int8-tiles", "amx-prefill-attention", "avx512-bf16-q4"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
@@ -64,6 +64,9 @@ SIGNATURES = {
     # kind, x, ldx, x is bf16, M, K, tile-order codes, d, m, N, y, ldy, y is bf16, threads (quant_linear_amx.cpp)
     "pagellm_packed_linear_amx": ([_i32, _p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32, _i32], _i32),
     "pagellm_amx_ready": ([], _i32),
+    # the same arguments, on AVX-512 BF16 vdpbf16ps (quant_linear_bf16dp.cpp)
+    "pagellm_packed_linear_bf16dp": ([_i32, _p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32, _i32],
+                                     _i32),
     # kind, planes, method, x, ldx, M, K, tile-order codes, d, m, N, y, ldy, threads (quant_linear_int8_tiles.cpp)
     "pagellm_int8_tiles_linear": ([_i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], _i32),
     "pagellm_int8_tiles_amx_ready": ([], _i32),

@@ -75,6 +75,7 @@ class NativeDecoder:
         self.max_rows = method.max_rows
         self.amx_max_rows = method.choices.amx_max_rows if self._all_tiled(model) else 0
         self.amx_step = False
+        self.amx_on_tiles = method.choices.amx_on_tiles
         attn0 = model.layers[0].self_attn
         self.dims = DecoderDims(cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
                                 cfg.intermediate_size, cfg.sliding_window or 0,
@@ -112,7 +113,8 @@ class NativeDecoder:
         if key != self._kv_key:
             self._kv_key, self._kv_ptrs = key, (ctypes.c_void_p * len(key))(*key)
         self.dims.kv_format = kv_format_code(kv_caches[0].dtype)  # per call: a new cache may reuse addresses
-        self.dims.amx_step = int(self.amx_step)
+        # 1: the products on AMX tiles, 2: on vdpbf16ps over the same blocks (OpChoices.amx_on_tiles)
+        self.dims.amx_step = 0 if not self.amx_step else 1 if self.amx_on_tiles else 2
         x = self.model.embed(input_ids).contiguous()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         tables = meta.block_tables
@@ -121,5 +123,5 @@ class NativeDecoder:
                      meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), meta.row_seq.data_ptr(),
                      torch.get_num_threads())
         if rc:
-            raise ValueError("native decoder: unsupported attention shape, or no AMX tiles for an AMX step")
+            raise ValueError("native decoder: unsupported attention shape, or no tile-order kernel for an AMX step")
         return x

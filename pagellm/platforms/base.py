@@ -37,7 +37,8 @@ class OpChoices:
     product does not reorder the weight on every call; amx_max_rows: many-row products of q4_1 and q8_0 blocks
     with at most this many rows (decode steps past the few-row kernels) dequantize the blocks into AMX bf16
     tiles instead (kernels/amx.py: the bf16 path's arithmetic, 0.8 / 1.1 bytes per weight read instead of 2;
-    0: never)."""
+    0: never); amx_on_tiles: those products run on AMX tiles (True) or, on CPUs with AVX-512 BF16 but no AMX,
+    on vdpbf16ps over the same blocks (False: the same arithmetic, cpu/quant_linear_bf16dp.cpp)."""
 
     native_ops: bool = False
     packed_kernels: bool = False
@@ -48,6 +49,7 @@ class OpChoices:
     packed_max_rows: int | None = None
     bf16_prepacked: bool = False
     amx_max_rows: int = 0
+    amx_on_tiles: bool = True
 
     @property
     def op_impl(self) -> str:

@@ -57,6 +57,11 @@ AMX_PACKED_MAX_ROWS = 4
 # last two runs: batch 5 0.72-0.74 vs 0.64-0.66, 6 0.87 vs 0.82-0.83, 7 0.81-0.94 vs 0.88-0.93, 8 1.03-1.08 vs
 # 1.08-1.16 (benchmarks/NOTES.md, sixteenth session).
 AMX_INT8_PACKED_MAX_ROWS = 6
+# Without AMX but with AVX-512 BF16 (AMD Zen 4 / Zen 5), many-row products of q4_1 and q8_0 blocks up to this many
+# rows run on vdpbf16ps over the same tile-order blocks (cpu/quant_linear_bf16dp.cpp) instead of oneDNN's bf16
+# product. One decode step's 120 layer products, cold weights, on the Zen 4 VM (benchmarks/microbench_amx.py
+# --vdpbf16ps): 1.5x at 16-32 rows, 1.2x at 48, 1.1x at 64, even from 128 rows on (benchmarks/NOTES.md).
+BF16DP_MAX_ROWS = 64
 
 # Freed memory glibc keeps at the top of a heap before it gives it back by itself (see loading()).
 TRIM_THRESHOLD = 256 << 20
@@ -211,6 +216,7 @@ class CpuPlatform(Platform):
         else:
             mode = ops.INT8 if int8_activations else ops.INT8_OFF
         amx = bf16 and native and self.amx_tiles
+        vdpbf16ps = bf16 and native and not amx and self.bf16dp_products
         if not bf16:
             few_rows = None
         elif amx:
@@ -221,7 +227,8 @@ class CpuPlatform(Platform):
                          int8_activations=mode if native else ops.INT8_OFF,
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
                          packed_max_rows=few_rows, bf16_prepacked=bf16 and torch.backends.mkldnn.is_available(),
-                         amx_max_rows=AMX_MAX_ROWS if amx else 0)
+                         amx_max_rows=AMX_MAX_ROWS if amx else BF16DP_MAX_ROWS if vdpbf16ps else 0,
+                         amx_on_tiles=not vdpbf16ps)
 
     @property
     def amx_tiles(self) -> bool:
@@ -232,6 +239,17 @@ class CpuPlatform(Platform):
         from pagellm.kernels import amx
 
         return amx.amx_ready()
+
+    @property
+    def bf16dp_products(self) -> bool:
+        """Whether many-row products over tile-order blocks can run on AVX-512 BF16 vdpbf16ps (the kernel build
+        has the path: kernels/amx.py bf16dp_ready), for CPUs without AMX tiles; PAGELLM_CPU_AMX=0 switches them off
+        too (oneDNN's bf16 path)."""
+        if "avx512_bf16" not in self.isa or not self.native_kernels or os.environ.get("PAGELLM_CPU_AMX", "1") == "0":
+            return False
+        from pagellm.kernels import amx
+
+        return amx.bf16dp_ready()
 
     @property
     def fine_int8_activations(self) -> bool:
@@ -364,7 +382,8 @@ class CpuPlatform(Platform):
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
             "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"
                                    if choices.bf16_gemm else "float32") + (
-                f"; q4_1/q8_0 blocks dequantized into AMX bf16 tiles up to {choices.amx_max_rows} rows"
+                f"; q4_1/q8_0 blocks dequantized into {'AMX bf16 tiles' if choices.amx_on_tiles else 'vdpbf16ps'}"
+                f" products up to {choices.amx_max_rows} rows"
                 if choices.amx_max_rows else ""),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
             "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))],

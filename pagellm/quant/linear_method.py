@@ -176,7 +176,8 @@ class GGUFBlocksLinearMethod(LinearMethod):
             x = fp8_activations(x, packed.act_scale)
         few = self.few_rows(layer, x.shape[0])
         if not few and self.amx_rows(layer, x.shape[0]):  # as bf16_matmul: bf16 out where it feeds a bf16 op
-            y = amx.linear(x, layer.amx_blocks, torch.bfloat16 if self.bf16_output(layer) else torch.float32)
+            y = amx.linear(x, layer.amx_blocks, torch.bfloat16 if self.bf16_output(layer) else torch.float32,
+                           tiles=self.choices.amx_on_tiles)
             return y if layer.bias is None else y.add_(layer.bias)
         if layer.weight_bf16 is not None and not few:
             return self.bf16_matmul(layer, x)

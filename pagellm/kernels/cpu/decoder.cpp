@@ -26,6 +26,9 @@ void pagellm_rope_bf16(const uint16_t* x, int64_t ldx, float* out, int64_t ldo, 
                        const float* cos_table, const float* sin_table, const int64_t* positions, int nthreads);
 int pagellm_packed_linear_amx(int kind, const void* x, int64_t ldx, int x_bf16, int M, int K, const uint8_t* codes,
                               const float* d, const float* m, int N, void* y, int64_t ldy, int y_bf16, int nthreads);
+int pagellm_packed_linear_bf16dp(int kind, const void* x, int64_t ldx, int x_bf16, int M, int K,
+                                 const uint8_t* codes, const float* d, const float* m, int N, void* y, int64_t ldy,
+                                 int y_bf16, int nthreads);
 int pagellm_write_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int T, int KV, int D, void* kv,
                      int64_t num_blocks, int block_size, const int64_t* slots, int kv_format, int nthreads);
 int pagellm_paged_attention(const float* q, int64_t ldq, int T, int H, int D, const void* kv, int64_t num_blocks,
@@ -62,7 +65,8 @@ struct DecoderDims {
     int32_t hidden, heads, kv_heads, head_dim, intermediate, window;
     int32_t int8_activations;  // 0, or int8 x per 32-block in the matmuls (1, or 2: two planes; quant_linear.cpp)
     int32_t kv_format;  // the KV cache's element format (KvFormat, kv_format.h)
-    int32_t amx_step;  // 1: this step takes the AMX products and the bf16 chain (set per call)
+    int32_t amx_step;  // this step takes the bf16 chain and the products over tile-order blocks (set per call):
+                       // 1 on AMX tiles, 2 on vdpbf16ps (quant_linear_bf16dp.cpp)
     float eps, scale;
     const float* rope_cos;
     const float* rope_sin;
@@ -81,11 +85,13 @@ static void matmul(const PackedMatrix& w, const float* x, int T, float* y, int i
             for (int i = 0; i < w.out_features; ++i) y[(int64_t)t * w.out_features + i] += w.bias[i];
 }
 
-// The AMX product x (float32, or bf16 with x_bf16) @ W^T -> bf16 y: the module path's amx.linear for a layer
-// whose output feeds a bf16 op (Linear.bf16_out).
-static int amx_matmul(const PackedMatrix& w, const void* x, bool x_bf16, int T, uint16_t* y, int nthreads) {
-    return pagellm_packed_linear_amx(w.kind, x, w.in_features, x_bf16, T, w.in_features, w.amx_codes, w.amx_d,
-                                     w.amx_m, w.out_features, y, w.out_features, 1, nthreads);
+// The product over tile-order blocks x (float32, or bf16 with x_bf16) @ W^T -> bf16 y: the module path's
+// amx.linear for a layer whose output feeds a bf16 op (Linear.bf16_out); method as DecoderDims.amx_step.
+static int amx_matmul(const PackedMatrix& w, const void* x, bool x_bf16, int T, uint16_t* y, int nthreads,
+                      int method) {
+    const auto kernel = method == 2 ? pagellm_packed_linear_bf16dp : pagellm_packed_linear_amx;
+    return kernel(w.kind, x, w.in_features, x_bf16, T, w.in_features, w.amx_codes, w.amx_d, w.amx_m, w.out_features,
+                  y, w.out_features, 1, nthreads);
 }
 
 // One AMX step's layers (see the header): h holds the first layer's input norm; returns 0 or an error.
@@ -100,7 +106,7 @@ static int amx_layers(const DecoderDims* dims, const DecoderLayer* layers, int n
     std::vector<float> qkv((int64_t)T * qkv_width), attn((int64_t)T * H * D);
     for (int l = 0; l < num_layers; ++l) {
         const DecoderLayer& L = layers[l];
-        int rc = amx_matmul(L.qkv, h.data(), false, T, qkv_b.data(), nthreads);
+        int rc = amx_matmul(L.qkv, h.data(), false, T, qkv_b.data(), nthreads, dims->amx_step);
         if (rc) return rc;
         pagellm_rope_bf16(qkv_b.data(), qkv_width, qkv.data(), qkv_width, T, qkv_width, H + KV, D, dims->rope_cos,
                           dims->rope_sin, positions, nthreads);
@@ -112,13 +118,13 @@ static int amx_layers(const DecoderDims* dims, const DecoderLayer* layers, int n
             rc = pagellm_paged_attention(qkv.data(), qkv_width, T, H, D, kv_caches[l], num_blocks, block_size, KV,
                                          block_tables, table_stride, row_seq, positions, dims->window, dims->scale,
                                          attn.data(), nthreads, dims->kv_format);
-        if (!rc) rc = amx_matmul(L.o, attn.data(), false, T, out_b.data(), nthreads);
+        if (!rc) rc = amx_matmul(L.o, attn.data(), false, T, out_b.data(), nthreads, dims->amx_step);
         if (rc) return rc;
         pagellm_add_bf16_rmsnorm(out_b.data(), residual.data(), L.post_norm, h.data(), T, C, dims->eps, nthreads);
-        rc = amx_matmul(L.gate_up, h.data(), false, T, gate_up_b.data(), nthreads);
+        rc = amx_matmul(L.gate_up, h.data(), false, T, gate_up_b.data(), nthreads, dims->amx_step);
         if (rc) return rc;
         pagellm_silu_mul_bf16(gate_up_b.data(), T, I, act_b.data(), nthreads);
-        rc = amx_matmul(L.down, act_b.data(), true, T, out_b.data(), nthreads);
+        rc = amx_matmul(L.down, act_b.data(), true, T, out_b.data(), nthreads, dims->amx_step);
         if (rc) return rc;
         const float* next_norm = l + 1 < num_layers ? layers[l + 1].input_norm : final_norm;
         pagellm_add_bf16_rmsnorm(out_b.data(), residual.data(), next_norm, h.data(), T, C, dims->eps, nthreads);

@@ -16,6 +16,7 @@
 //        whose many-row half runs on AMX-INT8 tiles where the build has them (pagellm_int8_tiles_amx_ready)
 // bit 7: bit 3's prefill attention with its products on AMX bf16 tiles (AMX-TILE/BF16; prefill_attention_amx.h),
 //        usable once the OS grants the tile state
+// bit 8: bit 5's products on AVX-512 BF16 vdpbf16ps instead of tiles (AVX-512 F/BW/BF16; quant_linear_bf16dp.cpp)
 extern "C" int pagellm_build_features() {
     int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -41,6 +42,9 @@ extern "C" int pagellm_build_features() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__F16C__) && \
     defined(__AMX_TILE__) && defined(__AMX_BF16__)
     bits |= 1 << 7;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+    bits |= 1 << 8;
 #endif
 #endif
     return bits;
