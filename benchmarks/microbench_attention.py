@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/microbench_attention.py
 
-1. Batched decode: 64 rows (one per request) over 300 keys each, float32 vs float16 KV cache; then the
-   same rows over 30 caches in turn (out of the L3 cache, as in an engine step).
+1. Batched decode: 64 rows (one per request) over 300 keys each, float32 vs float16 vs int8 KV cache; then
+   the same rows over 30 caches in turn (float16 and int8) (out of the L3 cache, as in an engine step).
 2. Prefill chunks: the kernel vs the SDPA reference path (`TorchSdpaReferenceAttention.attend`), which is what
    `CpuPagedAttention.max_native_queries` chooses between. Milliseconds, median of 7.
 Run it alone: the machine has 2 cores.
@@ -17,6 +17,7 @@ from timing import median_ms
 from pagellm.kernels import ops
 from pagellm.model.attention.base import AttentionMetadata
 from pagellm.model.attention.torch_sdpa_reference import TorchSdpaReferenceAttention
+from pagellm.quant.kv_cache import quantize_rows
 
 BS, KV, H, D = 16, 3, 9, 64
 
@@ -26,13 +27,13 @@ def batched_decode(rows: int = 64, keys: int = 300) -> None:
     cache = torch.randn(2, rows * per, BS, KV, D)
     table = torch.randperm(rows * per).reshape(rows, per)
     pos, seq, q = torch.full((rows,), keys - 1), torch.arange(rows), torch.randn(rows, H, D)
-    for dtype in (torch.float32, torch.float16):
-        c = cache.to(dtype)
+    for dtype in (torch.float32, torch.float16, torch.int8):
+        c = quantize_rows(cache, dtype) if dtype == torch.int8 else cache.to(dtype)
         ms = median_ms(partial(ops.paged_attention, q, c, table, seq, pos, None, 0.125))
         print(f"{rows} decode rows x {keys} keys, {str(dtype).removeprefix('torch.')} KV: {ms:.2f} ms")
 
 
-def cold_batched_decode(rows: int = 64, keys: int = 300, layers: int = 30) -> None:
+def cold_batched_decode(rows: int = 64, keys: int = 300, layers: int = 30, dtype: torch.dtype = torch.float16) -> None:
     """As batched_decode, over `layers` caches in turn (~430 MiB in float16): each call finds its keys in
     memory, not in the L3 cache, as in an engine step. A kernel change that wins above can lose here: on the
     Zen 5 VM, one that loaded each float16 key once for its 3 query heads ran 1.3x faster above and 1.5x
@@ -41,14 +42,16 @@ def cold_batched_decode(rows: int = 64, keys: int = 300, layers: int = 30) -> No
     per = -(-keys // BS)
     table = torch.randperm(rows * per).reshape(rows, per)
     pos, seq, q = torch.full((rows,), keys - 1), torch.arange(rows), torch.randn(rows, H, D)
-    caches = [torch.randn(2, rows * per, BS, KV, D).half() for _ in range(layers)]
+    caches = [quantize_rows(torch.randn(2, rows * per, BS, KV, D), dtype) if dtype == torch.int8 else
+              torch.randn(2, rows * per, BS, KV, D).to(dtype) for _ in range(layers)]
 
     def step():
         for c in caches:
             ops.paged_attention(q, c, table, seq, pos, None, 0.125)
 
     ms = median_ms(step) / layers
-    print(f"{rows} decode rows x {keys} keys, float16 KV, {layers} caches in turn: {ms:.2f} ms per cache")
+    print(f"{rows} decode rows x {keys} keys, {str(dtype).removeprefix('torch.')} KV, {layers} caches in turn: "
+          f"{ms:.2f} ms per cache")
 
 
 def prefill_chunks() -> None:
@@ -66,4 +69,5 @@ def prefill_chunks() -> None:
 if __name__ == "__main__":
     batched_decode()
     cold_batched_decode()
+    cold_batched_decode(dtype=torch.int8)
     prefill_chunks()
