@@ -60,7 +60,8 @@ AMX_INT8_PACKED_MAX_ROWS = 6
 # Without AMX but with AVX-512 BF16 (AMD Zen 4 / Zen 5), many-row products of q4_1 and q8_0 blocks up to this many
 # rows run on vdpbf16ps over the same tile-order blocks (cpu/quant_linear_bf16dp.cpp) instead of oneDNN's bf16
 # product. One decode step's 120 layer products, cold weights, on the Zen 4 VM (benchmarks/microbench_amx.py
-# --vdpbf16ps): 1.5x at 16-32 rows, 1.2x at 48, 1.1x at 64, even from 128 rows on (benchmarks/NOTES.md).
+# --vdpbf16ps, two runs): 1.26-1.54x at 16 rows, 1.18-1.51x at 32, 1.19-1.21x at 48, 1.11-1.16x at 64, 0.96-1.11x
+# at 128 (benchmarks/NOTES.md, twentieth session).
 BF16DP_MAX_ROWS = 64
 
 # Freed memory glibc keeps at the top of a heap before it gives it back by itself (see loading()).

@@ -4,12 +4,12 @@
 // which is exactly one vdpbf16ps operand per input pair (lane i: column i's weights for inputs 2p, 2p + 1), times
 // a broadcast of the row's two bf16 inputs, float32 sums; the same bf16 weights as the oneDNN path's copy, so the
 // same products up to summation order. Where it pays: decode steps of a few dozen rows, where oneDNN's bf16 GEMM
-// runs at 55-80% of its many-row rate and reads 2 bytes per weight against 0.8 (q4_1) here (benchmarks/NOTES.md,
-// twentieth session).
+// runs well below its many-row rate and reads 2 bytes per weight against 0.8 (q4_1) here (benchmarks/NOTES.md,
+// twentieth session; benchmarks/microbench_amx.py --vdpbf16ps).
 //
-// Per strip of 32 columns: chunks of up to ROWS rows (as even as they come) keep 2 x ROWS accumulators in registers over all of K; the
-// first chunk dequantizes each block just before it multiplies it, later chunks reuse the strip's dequantized
-// blocks from L1/L2.
+// Per strip of 32 columns: chunks of up to ROWS rows (as even as they come) keep 2 x ROWS accumulators in
+// registers over all of K; the first chunk dequantizes each block just before it multiplies it, later chunks
+// reuse the strip's dequantized blocks from L1/L2.
 #include <cstdint>
 #include <cstring>
 
@@ -27,7 +27,7 @@ namespace {
 constexpr int ROWS = 12;  // rows per chunk: 24 accumulators, two weight vectors and a broadcast in 32 registers
 
 template <int R>
-inline void chunk(const uint16_t* x, int64_t ld, int nb, const uint16_t* tiles, void* out, int64_t ldy,
+inline void chunk(const uint16_t* x, int64_t ld, int nb, uint16_t* tiles, void* out, int64_t ldy,
                   bool out_bf16, int64_t col, const uint8_t* codes, const float* d, const float* m, int s, int kind,
                   bool dequantize) {
     __m512 acc[R][2];
@@ -35,9 +35,9 @@ inline void chunk(const uint16_t* x, int64_t ld, int nb, const uint16_t* tiles, 
     for (int b = 0; b < nb; ++b) {
         if (dequantize) {
             if (kind == 1)
-                dequantize_block<true>(codes, d, m, s, nb, b, const_cast<uint16_t*>(tiles));
+                dequantize_block<true>(codes, d, m, s, nb, b, tiles);
             else
-                dequantize_block<false>(codes, d, m, s, nb, b, const_cast<uint16_t*>(tiles));
+                dequantize_block<false>(codes, d, m, s, nb, b, tiles);
         }
         const uint16_t* t = tiles + (int64_t)b * 1024;
         const uint16_t* xb = x + (int64_t)b * 32;
@@ -65,7 +65,7 @@ inline void chunk(const uint16_t* x, int64_t ld, int nb, const uint16_t* tiles, 
     }
 }
 
-using ChunkFn = void (*)(const uint16_t*, int64_t, int, const uint16_t*, void*, int64_t, bool, int64_t,
+using ChunkFn = void (*)(const uint16_t*, int64_t, int, uint16_t*, void*, int64_t, bool, int64_t,
                          const uint8_t*, const float*, const float*, int, int, bool);
 
 template <int... R>
