@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.spec_decode.adaptive import EXPLORE_EVERY, MAX_EXPLORE_EVERY, SpeculationController
+from pagellm.spec_decode.adaptive import EXPLORE_EVERY, MAX_EXPLORE_EVERY, MIN_GAIN, SpeculationController
 
 # pure Python or a tiny model: seconds here; a minute means something hangs
 pytestmark = pytest.mark.timeout(60)
@@ -50,6 +50,21 @@ def test_per_request_acceptance_decides_who_drafts():
     assert keep == {"copying": 4, "writing": 0}
     ctl.retain({"copying"})
     assert "writing" not in ctl.acceptance and ctl.accept_rate("writing") == 0.5
+
+
+def test_plans_near_break_even_keep_no_drafts():
+    """A plan must promise MIN_GAIN more tokens per second than the plain step: the estimates err both ways,
+    and a plan kept wrongly loses time while one dropped wrongly only forgoes a gain too small to measure."""
+    assert 0 < MIN_GAIN < 0.5
+    ctl = warmed({4: 1.0, 8: 1.75})  # a verification row costs 0.19 of a plain 4-row step
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.acceptance[rid] = [[8.0, 10.0]]  # first drafts accepted 80% of the time: +1% to +2.9%
+    assert ctl.plan(dict.fromkeys(ids, 1), batch_rows=4) == dict.fromkeys(ids, 0)
+    assert ctl.kept[4] == 0
+    for rid in ids:
+        ctl.acceptance[rid] = [[9.5, 10.0]]  # 95%: one draft each +11.4%
+    assert ctl.plan(dict.fromkeys(ids, 1), batch_rows=4) == dict.fromkeys(ids, 1)
 
 
 def test_acceptance_is_measured_per_draft_position():
