@@ -17,7 +17,8 @@ from pagellm.config import EngineArgs
 def add_latency_parser(bsub) -> None:
     p = bsub.add_parser("latency", help="TTFT and decode tok/s at small batch sizes (optionally speculative)",
                         description="Latency at batch sizes 1, 4, 16...; with --speculative-method, the same "
-                                    "runs without speculation first, and the speed-up and acceptance are reported.")
+                                    "runs without speculation too (the two engines' runs alternating), and the "
+                                    "speed-up and acceptance are reported.")
     p.add_argument("--task", choices=["grounded", "random"], default="grounded",
                    help="grounded: rewrite a given code block (chat template); random: random token prompts")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens for --task random")
@@ -33,15 +34,22 @@ def add_latency_parser(bsub) -> None:
     p.set_defaults(func=run_latency)
 
 
-def _measure(engine_kwargs: dict, ns, batch: int) -> dict:
+def _engine(engine_kwargs: dict, ns, batch: int):
+    """A warmed-up engine, the batch's prompts, and its draft counters after the warm-up."""
     from pagellm import LLM
 
     llm = LLM(**engine_kwargs)
     prompts = latency_prompts(llm.engine.tokenizer, llm.engine.model_config.vocab_size, ns.task, ns.input_len, batch)
-    ignore_eos = ns.task == "random"
-    timed_latency_run(llm, prompts[:1], 8, ignore_eos)  # warm-up
-    runs = [timed_latency_run(llm, prompts, ns.output_len, ignore_eos) for _ in range(ns.num_iters)]
+    timed_latency_run(llm, prompts[:1], 8, ns.task == "random")  # warm-up
+    return llm, prompts, _spec_counts(llm)
+
+
+def _spec_counts(llm) -> tuple[int, int, int]:
     st = llm.engine.scheduler.stats
+    return st.num_draft_tokens, st.num_accepted_tokens, st.num_spec_steps
+
+
+def _summary(llm, prompts: list[list[int]], counts_before: tuple, runs: list[dict], batch: int) -> dict:
     eng = llm.engine
     # what the roofline needs from the engine; run_latency moves it out of the row
     bytes_ = (roofline.pagellm_weight_bytes(eng.model), eng.bytes_per_block // eng.kv_cache.block_size)
@@ -54,12 +62,14 @@ def _measure(engine_kwargs: dict, ns, batch: int) -> dict:
         "token_ids": runs[0]["token_ids"],
         "_bytes": bytes_,
     }
-    if st.num_draft_tokens:
-        res["draft_tokens"] = st.num_draft_tokens
-        res["accepted_tokens"] = st.num_accepted_tokens
-        res["acceptance_rate"] = round(st.num_accepted_tokens / st.num_draft_tokens, 3)
+    # drafts counted over the timed runs only
+    drafts, accepted, spec_steps = (now - b for now, b in zip(_spec_counts(llm), counts_before, strict=True))
+    if drafts:
+        res["draft_tokens"] = drafts
+        res["accepted_tokens"] = accepted
+        res["acceptance_rate"] = round(accepted / drafts, 3)
         # vLLM's "mean acceptance length": tokens a verifying step yields, the bonus token included
-        res["mean_acceptance_length"] = round(1 + st.num_accepted_tokens / st.num_spec_steps, 2)
+        res["mean_acceptance_length"] = round(1 + accepted / spec_steps, 2)
     return res
 
 
@@ -73,13 +83,21 @@ def run_latency(ns: argparse.Namespace) -> int:
     spec_method = args.get("speculative_method")
     rows = []
     for batch in ns.batch_sizes:
-        base = _measure(dict(args, speculative_method=None), ns, batch)
-        row = {"batch_size": batch, "baseline": base}
+        engines = {"baseline": _engine(dict(args, speculative_method=None), ns, batch)}
         if spec_method:
-            spec = _measure(args, ns, batch)
+            engines["speculative"] = _engine(args, ns, batch)
+        runs: dict[str, list[dict]] = {k: [] for k in engines}
+        # Both engines loaded, their runs alternating: a shared machine's speed drifts over a minute by more
+        # than speculation gains or loses at batch 4, and drift then falls on both sides of the ratio.
+        for _ in range(ns.num_iters):
+            for k, (llm, prompts, _) in engines.items():
+                runs[k].append(timed_latency_run(llm, prompts, ns.output_len, ns.task == "random"))
+        row = {"batch_size": batch, **{k: _summary(*engine, runs[k], batch) for k, engine in engines.items()}}
+        del engines
+        if spec_method:
+            base, spec = row["baseline"], row["speculative"]
             spec["speedup"] = round(spec["decode_tok_s"] / base["decode_tok_s"], 2)
             spec["identical_output"] = spec["token_ids"] == base["token_ids"]
-            row["speculative"] = spec
         rows.append(row)
     _print_table(rows, spec_method)
     rl = _roofline(rows, spec_method, args["model"], args.get("num_threads"))
