@@ -4,7 +4,8 @@
 
 1. Batched decode: 64 rows (one per request) over 300 keys each, float32 vs float16 vs int8 KV cache; then
    the same rows over 30 caches in turn (float16 and int8) (out of the L3 cache, as in an engine step).
-2. Prefill chunks: the kernel vs the SDPA reference path (`TorchSdpaReferenceAttention.attend`), which is what
+2. int8 KV at longer contexts and few rows (1 x 2,000, 5 x 2,000, 16 x 1,000 keys, in cache).
+3. Prefill chunks: the kernel vs the SDPA reference path (`TorchSdpaReferenceAttention.attend`), which is what
    `CpuPagedAttention.max_native_queries` chooses between. Milliseconds, median of 7.
 Run it alone: the machine has 2 cores.
 """
@@ -54,6 +55,16 @@ def cold_batched_decode(rows: int = 64, keys: int = 300, layers: int = 30, dtype
           f"{ms:.2f} ms per cache")
 
 
+def long_contexts() -> None:
+    for rows, keys in ((1, 2000), (5, 2000), (16, 1000)):
+        per = -(-keys // BS)
+        table = torch.randperm(rows * per).reshape(rows, per)
+        pos, seq, q = torch.full((rows,), keys - 1), torch.arange(rows), torch.randn(rows, H, D)
+        c = quantize_rows(torch.randn(2, rows * per, BS, KV, D), torch.int8)
+        ms = median_ms(partial(ops.paged_attention, q, c, table, seq, pos, None, 0.125))
+        print(f"{rows} rows x {keys} keys, int8 KV: {ms:.3f} ms")
+
+
 def prefill_chunks() -> None:
     cache = torch.randn(2, 64, BS, KV, D)
     for seq_len, new in ((128, 128), (512, 512), (512, 64), (1000, 200)):
@@ -70,4 +81,5 @@ if __name__ == "__main__":
     batched_decode()
     cold_batched_decode()
     cold_batched_decode(dtype=torch.int8)
+    long_contexts()
     prefill_chunks()

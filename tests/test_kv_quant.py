@@ -116,13 +116,15 @@ QUANT_TOLERANCE = {torch.int8: 0.05, torch.float8_e4m3fn: 0.25, torch.float8_e5m
 def test_every_backend_reads_quantized_caches(dtype, new_rows):
     """Each backend vs the float32 cache within QUANT_TOLERANCE; the native kernel and the torch backends
     read the same stored rows and agree within 1e-5 (summation order, and int8's scale applied per key
-    in the kernel instead of per element)."""
+    in the kernel instead of per element; 1e-3 where int8 keys are scored on VNNI)."""
     want = _attention_step(torch.float32, TorchSdpaReferenceAttention(), new_rows)
     ref = _attention_step(dtype, TorchSdpaReferenceAttention(), new_rows)
     assert 0 < (ref - want).abs().max() < QUANT_TOLERANCE[dtype]
     assert (_attention_step(dtype, TorchSdpaBatchedAttention(), new_rows) - ref).abs().max() < 1e-5
     if ops.kv_dtype_supported(dtype):
-        assert (_attention_step(dtype, CpuPagedAttention(), new_rows) - ref).abs().max() < 1e-5
+        # int8 keys on VNNI round the query to ~15 bits (attention_int8_vnni.h): 2e-4 here
+        tol = 1e-3 if dtype == torch.int8 and ops.int8_keys_on_vnni() else 1e-5
+        assert (_attention_step(dtype, CpuPagedAttention(), new_rows) - ref).abs().max() < tol
 
 
 # ---- the engine ----------------------------------------------------------------------------------------
@@ -267,14 +269,14 @@ def test_ngram_speculation_and_module_path_equal_plain_decoding(smollm_gguf_path
     """SmolLM2 with a quantized cache: n-gram verification rows give exactly what one-row decoding gives,
     and the one-call decoder gives exactly what the module path gives."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    prompt = "Repeat exactly: red green blue yellow red green blue yellow red green"
+    prompt = "Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"  # drafts both accepted and rejected
     plain = LLM(smollm_gguf_path, kv_cache_dtype=name, kv_cache_memory="64MiB")
     spec = LLM(smollm_gguf_path, kv_cache_dtype=name, kv_cache_memory="64MiB", speculative_method="ngram",
                speculative_adaptive=False)
     want = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
-    stats = spec.engine.scheduler.stats  # drafts were verified (int8 accepts some; fp8's text repeats less)
-    assert stats.num_draft_tokens > 0 and (name != "int8" or stats.num_accepted_tokens > 0)
+    stats = spec.engine.scheduler.stats  # drafts were verified, and some accepted
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
     if plain.engine.runner.compiled_decoder is not None:
         assert plain.engine.runner.compiled_decoder.dims.kv_format == ops.kv_format_code(plain.engine.kv_dtype)
         plain.engine.runner.compiled_decoder = None  # the module path: same kernels, call by call

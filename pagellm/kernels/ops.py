@@ -173,6 +173,12 @@ def has_bf16_prefill_attention() -> bool:
     return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 3 & 1)
 
 
+def int8_keys_on_vnni() -> bool:
+    """Whether paged_attention scores int8 keys with integer dot products (AVX-512 VNNI builds: kernel path
+    bit 9, attention_int8_vnni.h), the query rounded to two int8 planes (~15 bits) per (row, head)."""
+    return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 9 & 1)
+
+
 def has_amx_prefill_attention() -> bool:
     """Whether prefill_attention_bf16 runs on AMX tiles here: the build has that path (kernel path bit 7) and
     Linux granted the tile state."""

@@ -113,6 +113,7 @@ inline float softmax_numerators(float* p, int64_t n, float max) {
 #endif
 
 #include "paged_walk.h"
+#include "attention_int8_vnni.h"
 
 namespace {
 
@@ -224,11 +225,13 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
         batch_start += filled;
         filled = 0;
     };
-    for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
-        k[filled++] = keys + off;
-        if (filled == 4) flush();
-    }, keys);
-    if (filled) flush();
+    if (!int8_vnni_scores<1>(a, h, &scores)) {  // the grouped path's scores for one head (the same bits)
+        for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
+            k[filled++] = keys + off;
+            if (filled == 4) flush();
+        }, keys);
+        if (filled) flush();
+    }
     const float inv_sum = softmax_in_place(scores, n);
     const T* values = a.kv + a.plane + h.kv_off;
     float* o = h.out;

@@ -17,6 +17,8 @@
 // bit 7: bit 3's prefill attention with its products on AMX bf16 tiles (AMX-TILE/BF16; prefill_attention_amx.h),
 //        usable once the OS grants the tile state
 // bit 8: bit 5's products on AVX-512 BF16 vdpbf16ps instead of tiles (AVX-512 F/BW/BF16; quant_linear_bf16dp.cpp)
+// bit 9: decode attention over int8 KV rows with integer dot products (AVX-512 F/BW/VNNI with bits 0-1;
+//        attention_int8_vnni.h)
 extern "C" int pagellm_build_features() {
     int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -45,6 +47,9 @@ extern "C" int pagellm_build_features() {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
     bits |= 1 << 8;
+#endif
+#if defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    bits |= 1 << 9;
 #endif
 #endif
     return bits;
