@@ -35,14 +35,15 @@ inline void round_query(const float* q, int D, QueryCodes& c) {
         finite = finite && std::isfinite(q[d]);
         amax = std::max(amax, std::fabs(q[d]));
     }
-    const float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+    float inv = finite && amax > 0.f ? 127.f / amax : 0.f;
+    if (!std::isfinite(inv)) inv = 0.f;  // a query of subnormal size: scored as zero (its scores would round to 0)
     int32_t total = 0;
     for (int d = 0; d < D; ++d) {
         const float x = q[d] * inv, a = std::nearbyint(x), r = std::nearbyint((x - a) * 128.f);  // |r| <= 64
         c.q0[d] = static_cast<int8_t>(a), c.q1[d] = static_cast<int8_t>(r);
         total += 128 * static_cast<int32_t>(a) + static_cast<int32_t>(r);
     }
-    c.step = finite ? amax / 127.f / 128.f : NAN;
+    c.step = !finite ? NAN : inv > 0.f ? amax / 127.f / 128.f : 0.f;
     c.bias = 128 * total;
 }
 
