@@ -134,6 +134,32 @@ def test_latency_cli_reports_roofline(tiny_hf_model, smollm_gguf_path, tmp_path,
                                                           rel=0.01)
 
 
+def test_latency_cli_alternates_baseline_and_speculative_runs(tiny_hf_model, smollm_gguf_path, tmp_path, capsys,
+                                                             monkeypatch):
+    """With --speculative-method both engines are loaded and their timed runs alternate (drift on a shared machine
+    falls on both sides of the speed-up); bad counts are refused in one line."""
+    import pagellm.bench.latency as latency
+
+    speculating, real = [], latency.timed_latency_run
+
+    def watched(llm, *args):
+        speculating.append(llm.engine.proposer is not None)
+        return real(llm, *args)
+
+    monkeypatch.setattr(latency, "timed_latency_run", watched)
+    model, out = tiny_hf_model("llama"), tmp_path / "s.json"
+    common = ["bench", "latency", "--model", model, "--tokenizer", smollm_gguf_path, *TINY, "--task", "random",
+              "--input-len", "12", "--output-len", "8", "--batch-sizes", "2", "--speculative-method", "ngram"]
+    assert main([*common, "--num-iters", "2", "--json", str(out)]) == 0
+    assert speculating == [False, True] + [False, True] * 2  # the warm-ups, then the timed runs in turn
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["speculative"]["identical_output"] is True and row["speculative"]["speedup"] > 0
+    capsys.readouterr()
+    assert main([*common, "--num-iters", "0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pagellm: error: --num-iters must be at least 1, got 0"]
+
+
 def test_latency_peer_mode_reports_roofline(tiny_gguf_model, smollm_gguf_path, tmp_path, capsys, no_llama_cpp):
     model = tiny_gguf_model("llama", qtype="Q8_0")  # pagellm keeps packed q8_0 copies and streams those
     out = tmp_path / "p.json"

@@ -73,7 +73,31 @@ def _summary(llm, prompts: list[list[int]], counts_before: tuple, runs: list[dic
     return res
 
 
+def _batch_row(args: dict, ns, batch: int) -> dict:
+    """One batch size's row: the baseline engine, and with a speculative method the speculative one too (their
+    engines are gone when it returns)."""
+    engines = {"baseline": _engine(dict(args, speculative_method=None), ns, batch)}
+    if args.get("speculative_method"):
+        engines["speculative"] = _engine(args, ns, batch)
+    runs: dict[str, list[dict]] = {k: [] for k in engines}
+    # Both engines loaded, their runs alternating: a shared machine's speed drifts over a minute by more than
+    # speculation gains or loses at batch 4, and drift then falls on both sides of the ratio.
+    for _ in range(ns.num_iters):
+        for k, (llm, prompts, _) in engines.items():
+            runs[k].append(timed_latency_run(llm, prompts, ns.output_len, ns.task == "random"))
+    row = {"batch_size": batch, **{k: _summary(*engine, runs[k], batch) for k, engine in engines.items()}}
+    if "speculative" in row:
+        base, spec = row["baseline"], row["speculative"]
+        spec["speedup"] = round(spec["decode_tok_s"] / base["decode_tok_s"], 2)
+        spec["identical_output"] = spec["token_ids"] == base["token_ids"]
+    return row
+
+
 def run_latency(ns: argparse.Namespace) -> int:
+    for name, value in (("--num-iters", ns.num_iters), ("--output-len", ns.output_len),
+                        ("--batch-sizes", min(ns.batch_sizes)), ("--input-len", ns.input_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     print_platform_line(ns.device, ns.num_threads)
     if ns.peer:  # every engine in its own process, one table; all of them ignore EOS
         from pagellm.bench.peers import latency_with_peers
@@ -81,24 +105,7 @@ def run_latency(ns: argparse.Namespace) -> int:
         return latency_with_peers(ns)
     args = vars(EngineArgs.from_cli_args(ns))
     spec_method = args.get("speculative_method")
-    rows = []
-    for batch in ns.batch_sizes:
-        engines = {"baseline": _engine(dict(args, speculative_method=None), ns, batch)}
-        if spec_method:
-            engines["speculative"] = _engine(args, ns, batch)
-        runs: dict[str, list[dict]] = {k: [] for k in engines}
-        # Both engines loaded, their runs alternating: a shared machine's speed drifts over a minute by more
-        # than speculation gains or loses at batch 4, and drift then falls on both sides of the ratio.
-        for _ in range(ns.num_iters):
-            for k, (llm, prompts, _) in engines.items():
-                runs[k].append(timed_latency_run(llm, prompts, ns.output_len, ns.task == "random"))
-        row = {"batch_size": batch, **{k: _summary(*engine, runs[k], batch) for k, engine in engines.items()}}
-        del engines
-        if spec_method:
-            base, spec = row["baseline"], row["speculative"]
-            spec["speedup"] = round(spec["decode_tok_s"] / base["decode_tok_s"], 2)
-            spec["identical_output"] = spec["token_ids"] == base["token_ids"]
-        rows.append(row)
+    rows = [_batch_row(args, ns, batch) for batch in ns.batch_sizes]
     _print_table(rows, spec_method)
     rl = _roofline(rows, spec_method, args["model"], args.get("num_threads"))
     for r in rows:  # token ids only served the identity check
