@@ -85,12 +85,12 @@ void attend_group(const AttentionArgs<T>& a, int t, int head0, float* const* sco
     float* out[NG];
     float inv_sum[NG];
     for (int g = 0; g < NG; ++g) q[g] = h.q + (int64_t)g * a.D, out[g] = h.out + (int64_t)g * a.D;
-    if (int8_vnni_scores<NG>(a, h, scores))
-        ;  // int8 keys on VNNI (attention_int8_vnni.h)
-    else if (a.D == 64)
-        group_scores<NG, 64>(a, h, a.kv + h.kv_off, q, scores);
-    else
-        group_scores<NG, 128>(a, h, a.kv + h.kv_off, q, scores);
+    if (!int8_vnni_scores<NG>(a, h, scores)) {  // int8 keys on VNNI where the build has it, else here
+        if (a.D == 64)
+            group_scores<NG, 64>(a, h, a.kv + h.kv_off, q, scores);
+        else
+            group_scores<NG, 128>(a, h, a.kv + h.kv_off, q, scores);
+    }
     for (int g = 0; g < NG; ++g) inv_sum[g] = softmax_in_place(scores[g], h.n);
     for (int d0 = 0; d0 < a.D; d0 += 64) group_values<NG>(a, h, a.kv + a.plane + h.kv_off, d0, scores, inv_sum, out);
 }
