@@ -38,8 +38,9 @@ RECHECK_EVERY = 4  # while a batch size keeps no drafts, ask the proposer on one
 # both ways (a step's time wobbles by several percent on a shared machine; the drafts kept are those whose
 # acceptance estimates came out highest), but the errors do not cost the same: a plan kept wrongly loses
 # time, one dropped wrongly only forgoes a gain that was too small to measure. Where verification rows cost
-# nearly a plain row each (a 2-core Zen 4 VM at batch 4: 8 rows 11.9 ms against 4 rows 6.7 ms), plans near
-# break-even were kept and lost 1-7%.
+# nearly a plain row each (a 2-core Zen 4 VM: one decode step's products 5.58 ms at 4 rows, 9.68 at 8,
+# benchmarks/microbench_int8_tiles.py), plans near break-even were kept at batch 4 and measured 0.93-0.99x
+# (benchmarks/results/zen4/s20_spec_auto_ngram_grounded*).
 MIN_GAIN = 0.1
 
 
@@ -135,10 +136,11 @@ class SpeculationController:
         # convex in rows (on the CPU a step of at most 20 rows runs packed few-row kernels whose cost grows
         # with every row, more rows the GEMMs, where a row costs far less).
         best, best_rate, tokens = 0, batch_rows / self.cost(batch_rows), float(batch_rows)
+        needed = best_rate * (1 + MIN_GAIN)  # what a plan with drafts must beat
         for n, (gain, _) in enumerate(marginal, 1):
             tokens += gain
             rate = tokens / self.cost(batch_rows + n)
-            if rate > best_rate * (1 + MIN_GAIN if best == 0 else 1):
+            if rate > best_rate and rate > needed:
                 best, best_rate = n, rate
         keep = dict.fromkeys(proposals, 0)
         for _, rid in marginal[:best]:

@@ -69,12 +69,6 @@ inline void transpose16(__m512i* r) {
     }
 }
 
-inline __m512i broadcast4(const int8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
 // Scores of NG heads against 16 keys (k[i]: key rows, D codes then the float16 scale): scores[g][start + i]
 // for i < filled (the other slots repeat a key and are not stored).
 template <int NG, int D>

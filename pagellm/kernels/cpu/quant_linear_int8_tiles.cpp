@@ -105,12 +105,6 @@ inline void load_codes(const uint8_t* codes, __m512i* u) {
     }
 }
 
-inline __m512i broadcast4(const int8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
 // The rows' integer sums against one block (u: its tile rows): two chains per plane (latency), then
 // 128 * plane 0 + plane 1, exact in int32.
 template <int Planes>

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -20,6 +21,12 @@ inline __m256 fold16(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 inline float hsum16(__m512 v) { return hsum8(fold16(v)); }
+// 4 consecutive int8 values as one 32-bit lane, repeated: the broadcast operand of vpdpbusd.
+inline __m512i broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
 #endif
 
 // The 32 quants of one GGUF block as four vectors of 8 floats (exact: small integers). q4_1: byte j
