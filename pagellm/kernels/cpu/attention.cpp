@@ -229,7 +229,7 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
         for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
             k[filled++] = keys + off;
             if (filled == 4) flush();
-        }, keys);
+        }, keys, a.kv + a.plane + h.kv_off);
         if (filled) flush();
     }
     const float inv_sum = softmax_in_place(scores, n);

@@ -52,7 +52,7 @@ inline void group_scores(const AttentionArgs<T>& a, const HeadView& h, const T* 
     for_each_key(a, h.table, h.first, h.pos, [&](int64_t, int64_t off) {
         k[filled++] = keys + off;
         if (filled == 4) flush();
-    }, keys);
+    }, keys, a.kv + a.plane + h.kv_off);
     if (filled) flush();
 }
 

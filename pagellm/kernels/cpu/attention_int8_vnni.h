@@ -122,7 +122,7 @@ inline void scores(const AttentionArgs<int8_t>& a, const HeadView& h, float* con
     for_each_key(a, h.table, h.first, h.pos, [&](int64_t, int64_t off) {
         k[filled++] = keys + off;
         if (filled == 16) flush();
-    }, keys);
+    }, keys, a.kv + a.plane + h.kv_off);
     if (filled) flush();
 }
 

@@ -36,9 +36,14 @@ constexpr int64_t PREFETCH_KEYS = 32;
 // Many-row steps find their keys in memory, not cache (64 rows x 300 keys over 30 layers' caches: 16-21%
 // faster, benchmarks/NOTES.md, eleventh session); one row's keys stay cached from token to token, where
 // the prefetches cost 3-6%, so few-row steps go without.
+// Given pv too (the keys' walk passes where the same tokens' values start), each key's value row is asked
+// into L2 as its key is reached, so the values' walk that follows the softmax finds its rows in cache,
+// the first ones included (the values' own look-ahead misses its first PREFETCH_KEYS): 64 rows x 300 keys
+// over 30 caches, float16 1.02-1.13 -> 0.80-0.90 ms, int8 0.69-0.78 -> 0.66-0.70; 16 x 1,000 int8
+// 0.55-0.63 -> 0.50-0.54 (Zen 4 VM, microbench_attention.py; benchmarks/NOTES.md, twenty-second session).
 template <typename T, typename F>
 inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f,
-                         const T* pf = nullptr) {
+                         const T* pf = nullptr, const T* pv = nullptr) {
     const int bs = a.block_size;
     const int64_t row_bytes = a.row * (int64_t)sizeof(T);  // int8 rows (D + 2 bytes) may straddle a line more
     const bool prefetch = a.prefetch && pf != nullptr;
@@ -52,6 +57,11 @@ inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_
                 const char* p = reinterpret_cast<const char*>(pf + (table[ahead / bs] * bs + ahead % bs) * a.stride);
                 for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
                 __builtin_prefetch(p + row_bytes - 1, 0, 3);  // the last line of an unaligned row
+            }
+            if (prefetch && pv != nullptr) {  // prefetcht1: a whole row's values outgrow L1
+                const char* p = reinterpret_cast<const char*>(pv + off);
+                for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
+                __builtin_prefetch(p + row_bytes - 1, 0, 2);
             }
             f(i, off);
         }
