@@ -225,3 +225,40 @@ def test_the_core_process_loop_keeps_a_reused_id_across_messages(engine):
     finally:
         loop.close()
         engine.executor.on_failure = None
+
+
+def test_add_requests_admits_a_list_between_two_steps(engine):
+    """One add after another waited a step each (a list of 64 prompts took ~11 s to admit under load, unaware
+    of its client leaving); add_requests queues them together."""
+    async def body(ae):
+        before = engine.stats.steps
+        streams = await ae.add_requests(PROMPTS, LONG, [f"list-{i}" for i in range(len(PROMPTS))])
+        steps = engine.stats.steps - before
+        assert {s.request_id for s in streams} == {f"list-{i}" for i in range(len(PROMPTS))}
+        for s in streams:
+            s.close()
+        return steps
+
+    assert run(engine, body) <= 2  # the step that admitted them (and one just then under way)
+
+
+def test_add_requests_is_every_prompt_or_none(engine):
+    async def body(ae):
+        prompts = [PROMPTS[0], PROMPTS[1], [10**7]]  # the last one is refused by the engine
+        with pytest.raises(ValueError, match="out of range"):
+            await ae.add_requests(prompts, LONG, ["all-0", "all-1", "all-2"])
+        await async_wait_until(lambda: not engine.has_unfinished_requests(), what="the admitted ones aborted")
+        with pytest.raises(ValueError, match="already in use"):  # a duplicate id: the first one is withdrawn
+            await ae.add_requests([PROMPTS[0], PROMPTS[1]], GREEDY, ["dup", "dup"])
+        return await collect(ae, PROMPTS[2])
+
+    assert run(engine, body).finished
+
+
+def test_add_requests_checks_the_queue_for_the_whole_list(engine):
+    async def body(ae):
+        with pytest.raises(QueueFullError, match="3 more asked"):
+            await ae.add_requests(PROMPTS[:3], GREEDY, ["q-0", "q-1", "q-2"])
+        return await collect(ae, PROMPTS[3])
+
+    assert run(engine, body, max_queue_len=2).finished

@@ -259,7 +259,7 @@ class LLMEngine:
                 f"{self.kv_cache.capacity_tokens} tokens); the prompt must leave room for one output token")
         for tok in (params.logit_bias or {}):
             if not 0 <= int(tok) < vocab:
-                raise ValueError(f"logit_bias token id {tok} is out of range [0, {vocab})")
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {tok}")
         self.structured_output.validate(params)  # compiles (a cache hit when the server compiled it)
 
     def abort_request(self, request_ids: str | list[str]) -> None:

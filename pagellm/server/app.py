@@ -52,13 +52,21 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 misc = APIRouter()
 
 
+def _model_card(ctx: ServerContext, name: str) -> dict:
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "pagellm", "root": ctx.model_name,
+            "parent": None, "max_model_len": ctx.engine.max_model_len, "permission": []}
+
+
 @v1.get("/models")
 async def list_models(request: Request):
     ctx = _ctx(request)
-    data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "pagellm",
-             "root": ctx.model_name, "parent": None, "max_model_len": ctx.engine.max_model_len,
-             "permission": []} for name in ctx.model_names]
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [_model_card(ctx, name) for name in ctx.model_names]}
+
+
+@v1.get("/models/{model:path}")  # the openai client's models.retrieve(); a served name may hold a slash
+async def retrieve_model(model: str, request: Request):
+    ctx = _ctx(request)
+    return _model_card(ctx, ctx.check_model(model or None))
 
 
 @v1.post("/completions")

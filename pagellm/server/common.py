@@ -58,22 +58,16 @@ class ServerContext:
 
     async def add_all(self, prompts: list[str | list[int]], params: SamplingParams, request_id: str,
                       prompt_param: str, cache_salt: str | None = None) -> list[RequestStream]:
-        """Admit every prompt of a request, or none of them."""
-        if len(prompts) > MAX_PROMPTS_PER_REQUEST:  # each is admitted in turn: 10**5 would hold the line
+        """Admit every prompt of a request, or none of them: together, between two engine steps."""
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:  # 10**5 would flood the queue and one step's admission
             raise APIError(400, f"{prompt_param} must hold at most {MAX_PROMPTS_PER_REQUEST} prompts per request, "
                                 f"got {len(prompts)}", param=prompt_param)
         await compile_structured_outputs(self.engine, params)  # off the event loop; invalid: a 400
-        streams: list[RequestStream] = []
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         try:
-            for i, prompt in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(prompt, params, rid, self.request_timeout,
-                                                             cache_salt))
+            return await self.engine.add_requests(prompts, params, ids, self.request_timeout, cache_salt)
         except BaseException as e:
-            for s in streams:
-                s.close()
             raise admission_error(e, prompt_param) from None
-        return streams
 
 
 def admission_error(e: BaseException, prompt_param: str) -> BaseException:

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("pagellm")
 
@@ -73,19 +74,68 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     where = ".".join(path).replace(".[", "[") or field
     if first.get("type") == "missing":
         return APIError(400, f"{where} is required", param=field)
-    if field in _SHAPES and len(path) <= 2:
+    if field in _SHAPES and len(path) <= 2 and len(errors) > 1:  # a union (one error per member): its shapes
         return APIError(400, f"{field} must be {_SHAPES[field]}", param=field)
     return APIError(400, f"{where}: {first.get('msg', 'invalid value')}", param=field)
 
 
+def _not_json(request: Request, exc: RequestValidationError) -> APIError | None:
+    """A body sent as a form or as text (curl -d without -H 'Content-Type: application/json'): say so,
+    rather than that it is not an object."""
+    first = exc.errors()[0] if exc.errors() else {}
+    kind = request.headers.get("content-type", "")
+    if tuple(first.get("loc", ())) != ("body",) or "json" in kind.lower():
+        return None
+    return APIError(400, f"request body must be JSON sent with the header 'Content-Type: application/json' "
+                         f"(this one came as {kind[:60]!r})" if kind else
+                         "request body must be a JSON object (send 'Content-Type: application/json')")
+
+
+def internal_error(exc: Exception) -> APIError:
+    return APIError(500, f"internal server error ({type(exc).__name__})", code="internal_error")
+
+
+class InternalErrorMiddleware:
+    """A bug's 500 answered here, inside Starlette's ServerErrorMiddleware, which answers with the app's
+    handler and then re-raises, so that uvicorn drops the connection: a client reusing it then lost its next
+    request (6 of 10 follow-ups were reset in a probe). Once a response has started (a stream), the error
+    goes on up: nothing can be answered then."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("internal error", exc_info=exc)
+            await internal_error(exc).response()(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI's error object for every failure. Call before adding other middleware: the 500 middleware is
+    then innermost, so that the others (the request id's header) still see its answer."""
+    app.add_middleware(InternalErrorMiddleware)
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return (_not_json(request, exc) or _validation_error(exc)).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
@@ -93,7 +143,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = "no such endpoint" if exc.status_code == 404 else str(exc.detail)
         return APIError(exc.status_code, message, code=code, headers=getattr(exc, "headers", None)).response()
 
-    @app.exception_handler(Exception)
+    @app.exception_handler(Exception)  # what InternalErrorMiddleware does not see (another middleware's bug)
     async def _internal(_: Request, exc: Exception):
         logger.exception("internal error", exc_info=exc)
-        return APIError(500, f"internal server error ({type(exc).__name__})", code="internal_error").response()
+        return internal_error(exc).response()

@@ -10,6 +10,7 @@ check the key themselves (app.py), which declares it in /openapi.json; both comp
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -90,6 +91,10 @@ class BodySizeLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        lone = lone_surrogate(body)
+        if lone is not None:
+            await APIError(400, f"request body: {lone}").response()(scope, receive, send)
+            return
         replayed = False
 
         async def replay():
@@ -112,6 +117,35 @@ class BodySizeLimitMiddleware:
             if message["type"] != "http.request" or not message.get("more_body", False):
                 return
             budget -= len(message.get("body", b""))
+
+
+# A JSON escape: backslash and one character, or \u and 4 hex digits. Matched left to right, an escaped
+# backslash is consumed whole, so a \u found is a real escape, not text after a literal backslash.
+_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """Where a JSON body escapes half of a UTF-16 surrogate pair alone (\ud800 without its low half): such a
+    string is no Unicode text, and the tokenizer, the JSON encoder of an error naming it and every other
+    consumer fail on it (a 500). None where there is none (the common case costs one substring search)."""
+    if b"\\u" not in body:
+        return None
+    pending = None  # a high half, waiting for its low half right after it
+    for m in _ESCAPE.finditer(body):
+        code = int(m.group(1), 16) if m.group(1) else -1
+        if pending is not None and not (0xDC00 <= code <= 0xDFFF and pending.end() == m.start()):
+            break
+        if 0xD800 <= code <= 0xDBFF:
+            pending = m
+        elif 0xDC00 <= code <= 0xDFFF and pending is None:
+            pending = m
+            break
+        else:
+            pending = None
+    if pending is None:
+        return None
+    return (f"{pending.group(0).decode()} at byte {pending.start()} is half of a UTF-16 surrogate pair, "
+            f"alone: strings must be valid Unicode")
 
 
 class APIKeyMiddleware:

@@ -32,40 +32,37 @@ def _falsy(v) -> bool:
     return not v
 
 
-# field -> (is this value harmless?, why the field is refused)
+# field -> (is this value harmless?, what follows "FIELD is not supported" in the 400)
 REFUSED: dict[str, tuple[Callable[[object], bool], str]] = {
     # OpenAI
-    "audio": (_unset, "audio output is not supported: pagellm generates text only"),
-    "modalities": (lambda v: v is None or v == ["text"], 'only the "text" modality is supported'),
-    "prediction": (_unset, "predicted outputs are not supported"),
-    "web_search_options": (_unset, "web search is not supported"),
-    "store": (_falsy, "stored completions are not supported"),
-    "reasoning_effort": (_unset, "reasoning_effort is not supported: the model does not reason separately"),
-    "verbosity": (_unset, "verbosity is not supported"),
-    "service_tier": (lambda v: v in (None, "auto", "default"), 'service tiers other than "auto" are not '
-                                                               "supported"),
-    "functions": (_unset, "the deprecated functions field is not supported: send tools"),
-    "function_call": (_unset, "the deprecated function_call field is not supported: send tool_choice"),
-    "tools": (_unset, "tools are not supported on this endpoint: use /v1/chat/completions"),
-    "tool_choice": (_unset, "tool_choice is not supported on this endpoint: use /v1/chat/completions"),
-    "max_completion_tokens": (_unset, "max_completion_tokens is not supported on this endpoint: send max_tokens"),
-    "best_of": (lambda v: v in (None, 1), "best_of is not supported on this endpoint"),
-    "echo": (_falsy, "echo is not supported on this endpoint"),
+    "audio": (_unset, ": pagellm generates text only"),
+    "modalities": (lambda v: v is None or v == ["text"], ': pagellm generates text only (["text"])'),
+    "prediction": (_unset, " (predicted outputs)"),
+    "web_search_options": (_unset, " (web search)"),
+    "store": (_falsy, " (stored completions)"),
+    "reasoning_effort": (_unset, ": the model does not reason separately"),
+    "verbosity": (_unset, ""),
+    "service_tier": (lambda v: v in (None, "auto", "default"), ': only "auto" or "default" are accepted'),
+    "functions": (_unset, ": it is deprecated; send tools"),
+    "function_call": (_unset, ": it is deprecated; send tool_choice"),
+    "tools": (_unset, " on this endpoint: use /v1/chat/completions"),
+    "tool_choice": (_unset, " on this endpoint: use /v1/chat/completions"),
+    "max_completion_tokens": (_unset, " on this endpoint: send max_tokens"),
+    "best_of": (lambda v: v in (None, 1), " on this endpoint"),
+    "echo": (_falsy, " on this endpoint"),
     # vLLM extras
-    "logits_processors": (_unset, "custom logits processors are not supported"),
-    "spaces_between_special_tokens": (lambda v: v is None or v is True,
-                                      "spaces_between_special_tokens=false is not supported"),
-    "priority": (lambda v: v in (None, 0), "request priorities are not supported: scheduling is first come, "
-                                            "first served"),
-    "mm_processor_kwargs": (_unset, "multimodal inputs are not supported"),
-    "multi_modal_data": (_unset, "multimodal inputs are not supported"),
-    "prompt_embeds": (_unset, "prompt embeddings are not supported"),
-    "kv_transfer_params": (_unset, "KV-cache transfer is not supported"),
-    "vllm_xargs": (_unset, "vllm_xargs (custom extension arguments) are not supported"),
-    "return_token_ids": (_falsy, "return_token_ids is not supported"),
-    "request_id": (_unset, "the request_id field is not supported: send an X-Request-Id header"),
-    "guided_decoding_backend": (lambda v: v in (None, "auto", "xgrammar"), "the only guided decoding "
-                                                                        "backend is xgrammar"),
+    "logits_processors": (_unset, " (custom logits processors)"),
+    "spaces_between_special_tokens": (lambda v: v is None or v is True, " as false"),
+    "priority": (lambda v: v in (None, 0), ": scheduling is first come, first served"),
+    "mm_processor_kwargs": (_unset, " (multimodal inputs)"),
+    "multi_modal_data": (_unset, " (multimodal inputs)"),
+    "prompt_embeds": (_unset, " (prompt embeddings)"),
+    "kv_transfer_params": (_unset, " (KV-cache transfer)"),
+    "vllm_xargs": (_unset, " (custom extension arguments)"),
+    "return_token_ids": (_falsy, ""),
+    "request_id": (_unset, " as a field: send an X-Request-Id header"),
+    "guided_decoding_backend": (lambda v: v in (None, "auto", "xgrammar"), ": the only guided decoding backend is "
+                                                                        "xgrammar"),
 }
 
 
@@ -77,7 +74,7 @@ def check_request(body) -> None:
     for name, value in extra.items():
         rule = REFUSED.get(name)
         if rule is not None and not rule[0](value):
-            raise APIError(400, f"{name} is not supported: {rule[1]}", param=name)
+            raise APIError(400, f"{name} is not supported{rule[1]}", param=name)
     unknown = sorted(set(extra) - set(REFUSED))
     if unknown:
         logger.warning("request fields ignored (unknown to pagellm): %s", ", ".join(unknown))
