@@ -36,7 +36,7 @@ def _post(http: httpx.Client, path: str, raw_json: str) -> httpx.Response:
 
 
 @pytest.mark.parametrize(("path", "body"), [
-    ("/v1/completions", '{"model": "%s", "prompt": "abc\\ud800", "max_tokens": 2}' % MODEL),
+    ("/v1/completions", '{"model": "' + MODEL + '", "prompt": "abc\\ud800", "max_tokens": 2}'),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\udc00y"}], "max_tokens": 2}'),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}'),
     ("/v1/completions", '{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}'),
