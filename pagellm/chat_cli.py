@@ -120,15 +120,20 @@ def _error_message(body: bytes) -> str:
 def run_chat(ns: argparse.Namespace, stdin=None, stdout=None) -> int:
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
+    opts = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
+    if not ns.url:  # the sampling options checked before a model loads (a server checks its own)
+        from pagellm.sampling_params import SamplingParams
+
+        SamplingParams(**opts)  # ValueError: the CLI's one line, exit 2
     try:
         backend = HTTPBackend(ns.url, ns.api_key, ns.model) if ns.url else LocalBackend(ns)
     except ChatError as e:
         print(f"pagellm chat: {e}", file=sys.stderr)
         return 1
-    opts = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p}
     system = [{"role": "system", "content": ns.system}] if ns.system else []
     history = list(system)
     interactive = stdin.isatty()
+    failed = False  # the last question got an error: the exit status says so when input ends
     print(HELP, file=stdout, flush=True)
     while True:
         if interactive:
@@ -157,9 +162,11 @@ def run_chat(ns: argparse.Namespace, stdin=None, stdout=None) -> int:
             stdout.write(" [stopped]")
         except (ChatError, ValueError) as e:
             history.pop()  # the question got no answer: don't keep it
-            print(f"error: {e}", file=stdout, flush=True)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            failed = True
             continue
+        failed = False
         stdout.write("\n")
         stdout.flush()
         history.append({"role": "assistant", "content": "".join(answer)})
-    return 0
+    return 1 if failed else 0

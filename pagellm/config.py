@@ -7,6 +7,8 @@ import logging
 import re
 from dataclasses import dataclass, field, fields
 
+from pagellm import cli_types
+
 logger = logging.getLogger("pagellm")
 
 _SIZE_UNITS = {
@@ -117,6 +119,9 @@ def _rope_scaling(cfg: dict) -> dict | None:
 
 # --kv-cache-memory when none is given on the CPU (a GPU sizes the cache from --gpu-memory-utilization).
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
+
+
+MAX_THREADS = 4096  # torch.set_num_threads takes a C int; a larger count is a typo
 
 
 @dataclass
@@ -282,6 +287,7 @@ class EngineArgs:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         self._check_parallel()
+        self._check_sizes()
         if self.embedding_pooling not in ("last", "mean"):
             raise ValueError(f"embedding_pooling must be 'last' or 'mean', got {self.embedding_pooling!r}")
         u = self.gpu_memory_utilization
@@ -291,6 +297,19 @@ class EngineArgs:
             self.swap_space = parse_bytes(self.swap_space) if self.swap_space not in (0, "0") else 0
         except ValueError as e:
             raise ValueError(f"swap_space: {e}") from None
+
+    def _check_sizes(self) -> None:
+        """What a falsy value would otherwise turn into the default (`or`): 0, or an empty string."""
+        n = self.num_threads
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
+            raise ValueError(f"num_threads must be an integer in [1, {MAX_THREADS}], got {n!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None:
+            try:
+                parse_bytes(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
@@ -430,7 +449,7 @@ class EngineArgs:
         g.add_argument("--node-rank", type=int, default=0,
                        help="this node's rank: 0 runs the engine (and serves), others run workers only")
         g.add_argument("--master-addr", default=d.master_addr, help="node 0's address, reachable by every node")
-        g.add_argument("--master-port", type=int, default=None,
+        g.add_argument("--master-port", type=cli_types.port, default=None,
                        help="node 0's rendezvous port (default: a free port; required with --nnodes > 1)")
         g.add_argument("--shm-allreduce", action=argparse.BooleanOptionalAction, default=True,
                        help="tensor-parallel ranks on one host all-reduce through shared memory (default); "

@@ -233,11 +233,18 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > _GIL_FREE_ENCODE_CHARS:
-            # tokenizers' encode holds the GIL throughout (~3 ms per 1k tokens), encode_batch releases it:
-            # a long prompt encoded in a worker thread must not stall the server's event loop.
-            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            if len(text) > _GIL_FREE_ENCODE_CHARS:
+                # tokenizers' encode holds the GIL throughout (~3 ms per 1k tokens), encode_batch releases it:
+                # a long prompt encoded in a worker thread must not stall the server's event loop.
+                return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # "TextInputSequence must be str": a lone surrogate (an argv byte that is not UTF-8)
+            bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+            if bad is None:
+                raise
+            raise ValueError(f"the text is not valid Unicode at character {bad} (U+{ord(text[bad]):04X}, a lone "
+                             "surrogate: bytes that are not UTF-8, or half of a UTF-16 pair)") from None
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -6,8 +6,9 @@ import argparse
 import sys
 import time
 
+from pagellm import cli_types
 from pagellm.bench.common import machine_info, print_platform_line, throughput_roofline
-from pagellm.bench.report import write_json
+from pagellm.bench.report import check_outputs, write_json
 from pagellm.config import EngineArgs
 
 
@@ -16,10 +17,10 @@ def add_bench_parser(sub) -> None:
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
     t = bsub.add_parser("throughput", help="offline throughput on a random workload",
                         description="Offline throughput: all requests submitted at once, greedy, ignore_eos.")
-    t.add_argument("--num-prompts", type=int, default=64, help="requests (default 64)")
-    t.add_argument("--input-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
+    t.add_argument("--num-prompts", type=cli_types.positive_int, default=64, help="requests (default 64)")
+    t.add_argument("--input-len", type=cli_types.positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"),
                    help="prompt length range, uniform (default 32 512)")
-    t.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
+    t.add_argument("--output-len", type=cli_types.positive_int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
                    help="output length range, uniform (default 16 256)")
     t.add_argument("--workload-seed", type=int, default=0, help="random.Random seed of the workload")
     t.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -57,6 +58,10 @@ def run_throughput_bench(ns: argparse.Namespace) -> int:
     from pagellm.bench.throughput import run_pagellm_throughput
     from pagellm.bench.workload import random_workload
 
+    check_outputs(ns.json, ns.plot)
+    for flag, (lo, hi) in (("--input-len", ns.input_len), ("--output-len", ns.output_len)):
+        if lo > hi:
+            raise ValueError(f"{flag} MIN MAX: MIN {lo} is above MAX {hi}")
     print_platform_line(ns.device, ns.num_threads)
     if ns.peer:  # every engine in its own process, one table
         from pagellm.bench.peers import throughput_with_peers

@@ -9,6 +9,9 @@ import os
 import sys
 import time
 
+from pagellm import cli_types
+from pagellm.bench.report import check_outputs
+
 # The columns printed per configuration (every figure is in the JSON).
 _COLUMNS = (("perplexity", "ppl", "{:.4f}"), ("kl_mean", "kl_mean", "{:.2e}"), ("kl_p99", "kl_p99", "{:.2e}"),
             ("greedy_agreement", "greedy", "{:.3f}"), ("greedy_agreement_worst", "worst", "{:.3f}"),
@@ -40,7 +43,7 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget of both engines (default 1GiB)")
     e.add_argument("--score-chunk", type=int, default=16,
                    help="rows per teacher-forced forward (default 16: the few-row path decoding runs on)")
-    e.add_argument("--margin", type=float, default=1.0,
+    e.add_argument("--margin", type=cli_types.nonnegative_number, default=1.0,
                    help="top1_agreement_wide_margin counts positions whose baseline top-1 beats top-2 by more "
                         "than this many nats (default 1.0)")
     e.add_argument("--decode-tokens", type=int, default=64, help="single-stream tokens timed (default 64)")
@@ -65,6 +68,7 @@ def run_eval(ns: argparse.Namespace) -> int:
     )
     from pagellm.platforms import get_platform
 
+    check_outputs(ns.json, ns.plot)
     for name in ("max_tokens", "score_chunk", "decode_tokens"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")

@@ -10,7 +10,7 @@ import time
 
 from pagellm.bench import roofline
 from pagellm.bench.common import latency_prompts, latency_roofline, print_platform_line, timed_latency_run
-from pagellm.bench.report import write_json
+from pagellm.bench.report import check_outputs, write_json
 from pagellm.config import EngineArgs
 
 
@@ -94,6 +94,7 @@ def _batch_row(args: dict, ns, batch: int) -> dict:
 
 
 def run_latency(ns: argparse.Namespace) -> int:
+    check_outputs(ns.json, ns.plot)
     for name, value in (("--num-iters", ns.num_iters), ("--output-len", ns.output_len),
                         ("--batch-sizes", min(ns.batch_sizes)), ("--input-len", ns.input_len)):
         if value < 1:

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from pagellm import cli_types
 from pagellm.bench.common import machine_info
 from pagellm.bench.workload import BenchRequest, random_workload
 from pagellm.config import EngineArgs
@@ -311,13 +312,15 @@ def add_memory_parser(bsub) -> None:
     m = bsub.add_parser("memory", help="KV-cache memory: prefix sharing, parallel sampling, fragmentation",
                         description="KV blocks at peak with and without prefix caching, n>1 forks versus "
                                     "independent requests, and paged versus contiguous waste.")
-    m.add_argument("--shared-requests", type=int, default=32, help="requests sharing the prefix (default 32)")
+    m.add_argument("--shared-requests", type=cli_types.positive_int, default=32,
+                   help="requests sharing the prefix (default 32)")
     m.add_argument("--prefix-len", type=int, default=1024, help="shared prefix tokens (default 1024)")
     m.add_argument("--question-len", type=int, default=32, help="distinct tokens per request (default 32)")
     m.add_argument("--max-tokens", type=int, default=16, help="output tokens in a. and b. (default 16)")
     m.add_argument("--parallel-n", type=int, default=8, help="n of the parallel-sampling request (default 8)")
     m.add_argument("--parallel-prompt-len", type=int, default=512, help="its prompt tokens (default 512)")
-    m.add_argument("--num-prompts", type=int, default=64, help="requests of the fragmentation workload")
+    m.add_argument("--num-prompts", type=cli_types.positive_int, default=64,
+                   help="requests of the fragmentation workload")
     m.add_argument("--contiguous-len", type=int, default=2048,
                    help="per-request reservation of the contiguous baseline (default 2048)")
     m.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")

@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from pagellm import cli_types
 from pagellm.bench.common import print_platform_line, served_model
 from pagellm.bench.report import write_json
 from pagellm.bench.workload import BenchRequest, random_workload
@@ -43,9 +44,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $PAGELLM_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests (default 64)")
-    p.add_argument("--request-rate", type=float, default=float("inf"), metavar="R",
+    p.add_argument("--request-rate", type=cli_types.rate, default=float("inf"), metavar="R",
                    help="mean requests/s, or inf to send all at once (default inf)")
-    p.add_argument("--burstiness", type=float, default=1.0, metavar="B",
+    p.add_argument("--burstiness", type=cli_types.positive_number, default=1.0, metavar="B",
                    help="gamma shape of the inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
     p.add_argument("--max-concurrency", type=int, default=None, metavar="C",
                    help="at most C requests in flight; later arrivals wait (default: unbounded)")

@@ -10,8 +10,20 @@ one warning says so. A cache smaller than one block is refused (in LLMEngine) be
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger("pagellm")
+
+
+def check_device_memory(name: str, nbytes: int, device_bytes: int | None) -> None:
+    """Refuse a KV cache or swap space larger than the memory of the device it lives on, in one line (a
+    typo's 10**23 bytes would otherwise fail as a MemoryError deep in the block pool). device_bytes None:
+    this host's physical memory."""
+    if device_bytes is None:
+        device_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if nbytes > device_bytes:
+        raise ValueError(f"{name} {nbytes} bytes ({nbytes / 2**30:.4g} GiB) is more than the device's memory "
+                         f"({device_bytes / 2**30:.1f} GiB)")
 
 
 def fit_max_model_len(requested: int | None, model_len: int, kv_tokens: int, kv_cache_memory: int) -> int:

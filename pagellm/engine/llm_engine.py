@@ -17,7 +17,7 @@ from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.engine_parts import build_proposer, kv_bytes_per_block, resolve_kv_dtype
 from pagellm.engine.gpu_memory import log_kv_sizing, size_kv_cache
 from pagellm.engine.isolation import error_output, sample_isolated
-from pagellm.engine.kv_sizing import fit_max_model_len
+from pagellm.engine.kv_sizing import check_device_memory, fit_max_model_len
 from pagellm.engine.output_processor import RequestState, SequenceState
 from pagellm.executor.multiproc import start_workers
 from pagellm.executor.uniproc import UniprocExecutor
@@ -80,6 +80,10 @@ class LLMEngine:
         # On a GPU without --kv-cache-memory the cache gets what is left after loading (engine/gpu_memory.py).
         gpu_sized = args.kv_cache_memory is None and platform.total_memory() is not None
         num_blocks = None if gpu_sized else cache.kv_cache_memory // self.bytes_per_block
+        if not gpu_sized:
+            check_device_memory("--kv-cache-memory", cache.kv_cache_memory, platform.total_memory())
+        if args.preemption_mode == "swap":
+            check_device_memory("--swap-space", args.swap_space, None)
         if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} bytes is less than one KV block "
                              f"({self.bytes_per_block} bytes: {cache.block_size} tokens of "

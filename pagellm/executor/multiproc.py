@@ -112,7 +112,10 @@ class MultiprocExecutor(Executor):
             self.transport = ShmTransport(spec.channels, spec.world_size - 1, None, alive=self._workers_alive)
         self.store.set(SPEC_KEY, pickle.dumps(spec))
         self.procs: list = []
-        weakref.finalize(self, _kill, self.procs)  # an engine dropped without shutdown() still stops its workers
+        # an engine dropped without shutdown() (at exit too) still stops its workers, and tells the watcher first:
+        # those deaths are no failure to report
+        self._dropped = threading.Event()
+        weakref.finalize(self, _drop, self.procs, self._dropped)
         try:
             self.procs.extend(self._launch(node_ranks(spec.world_size, nnodes, 0), master_addr, port))
             self.weights_bytes = [int(b) for b in self._wait_for("ready", "loaded")]
@@ -160,9 +163,9 @@ class MultiprocExecutor(Executor):
             time.sleep(0.05)
 
     def _watch(self) -> None:
-        while not self._closed:
+        while not self._closed and not self._dropped.is_set():
             dead = next((p for p in self.procs if p.exitcode is not None), None)
-            if dead is not None and not self._closed:
+            if dead is not None and not self._closed and not self._dropped.is_set():
                 self.error = self.error or self._worker_error(0.0) or f"{dead.name} exited with code {dead.exitcode}"
                 logger.error("%s: stopping every rank", self.error)
                 self._kill_all()  # whatever the engine waits on now fails at once
@@ -237,6 +240,11 @@ class MultiprocExecutor(Executor):
         except Exception:
             pass
         stop_processes(self.procs)
+
+
+def _drop(procs: list, dropped: threading.Event) -> None:
+    dropped.set()
+    _kill(procs)
 
 
 def _kill(procs: list) -> None:

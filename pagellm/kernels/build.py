@@ -124,7 +124,8 @@ def _build(cxx: list[str], march: str) -> tuple[Path, list[str]]:
     for part in [_run([*cxx, "--version"]), " ".join(isa), *macros, " ".join(flags),
                  *(s.read_text() for s in SOURCES + HEADERS)]:
         key.update(part.encode() + b"\0")
-    cache = Path(os.environ.get("PAGELLM_CACHE_DIR", Path.home() / ".cache" / "pagellm")) / "kernels"
+    # an empty value is unset (Path("") is the working directory)
+    cache = Path(os.environ.get("PAGELLM_CACHE_DIR") or Path.home() / ".cache" / "pagellm") / "kernels"
     lib = cache / f"pagellm_cpu_{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib, isa

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 
+from pagellm import cli_types
 from pagellm.config import QUANT_GROUP_SIZES, ModelConfig
 
 logger = logging.getLogger("pagellm.quantize")
@@ -31,7 +32,9 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--tokenizer", default=None, help="tokenizer for the calibration text (default: the model's)")
     q.add_argument("--method", default="gptq", help="rtn (round to nearest), gptq or awq (default gptq)")
     q.add_argument("--bits", type=int, default=4, help="4 or 8 (awq: 4)")
-    q.add_argument("--group-size", type=int, default=128, help="input columns per scale (32, 64 or 128; default 128)")
+    q.add_argument("--group-size", type=int, default=None,
+                   help="input columns per scale: 32, 64 or 128 (default: 128, or the largest that divides the "
+                        "model's inputs: 64 for SmolLM2-135M's 576)")
     q.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                    help="rtn/gptq: symmetric codes (zero point 2^(bits-1), what vLLM's Marlin kernels take; "
                         "default); --no-sym: a zero point per group (awq always has one)")
@@ -44,7 +47,7 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--num-samples", type=int, default=32, help="calibration windows (default 32)")
     q.add_argument("--seq-len", type=int, default=128, help="tokens per calibration window (default 128)")
     q.add_argument("--keep", default="", help="comma list of module-name substrings kept in float, e.g. layers.0.")
-    q.add_argument("--num-threads", type=int, default=None,
+    q.add_argument("--num-threads", type=cli_types.positive_int, default=None,
                    help="torch CPU threads (default: torch's; on a loaded machine 1 can be several times faster)")
     q.add_argument("--out", required=True, help="output directory (new or empty)")
     q.set_defaults(func=run_quantize)
@@ -60,12 +63,17 @@ def check_options(ns: argparse.Namespace, cfg: ModelConfig) -> None:
     if ns.format == "awq" and ns.method != "awq" or ns.format == "gptq" and ns.method == "awq":
         raise ValueError(f"--format {ns.format} holds {ns.format} output only; --method {ns.method} writes "
                          f"{'awq' if ns.method == 'awq' else 'gptq'} or compressed-tensors")
+    if ns.desc_act and ns.method != "gptq":
+        raise ValueError(f"--desc-act is for --method gptq, not {ns.method}")
     if ns.format == "compressed-tensors" and (ns.desc_act or not ns.sym or ns.method == "awq"):
         raise ValueError("--format compressed-tensors is written for symmetric rtn/gptq without --desc-act only")
-    if ns.group_size not in QUANT_GROUP_SIZES:
-        raise ValueError(f"--group-size must be 32, 64 or 128, got {ns.group_size}")
     inputs = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
               "num_attention_heads * head_dim": cfg.num_attention_heads * cfg.head_dim}
+    if ns.group_size is None:  # the default: the largest that divides every input size
+        ns.group_size = next((g for g in sorted(QUANT_GROUP_SIZES, reverse=True)
+                              if all(k % g == 0 for k in inputs.values())), max(QUANT_GROUP_SIZES))
+    if ns.group_size not in QUANT_GROUP_SIZES:
+        raise ValueError(f"--group-size must be 32, 64 or 128, got {ns.group_size}")
     for what, k in inputs.items():
         if k % ns.group_size:
             raise ValueError(f"--group-size {ns.group_size} does not divide the model's {what} ({k})")
@@ -83,6 +91,23 @@ def check_options(ns: argparse.Namespace, cfg: ModelConfig) -> None:
             raise ValueError(f"--seq-len {ns.seq_len} exceeds the model's sliding window ({cfg.sliding_window})")
     if os.path.exists(ns.out) and (not os.path.isdir(ns.out) or os.listdir(ns.out)):
         raise ValueError(f"--out {ns.out} exists and is not an empty directory")
+    check_writable_dir(ns.out)
+
+
+def check_writable_dir(path: str) -> None:
+    """That the output directory can be made and written now, not after minutes of calibration."""
+    if not path:
+        raise ValueError("--out is empty: name an output directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    existing = parent
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK) or (os.path.isdir(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {path}: {existing} is not writable")
+    try:  # /proc and the like pass os.access: make the directory, as the writer will
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: {e.strerror}") from None
 
 
 def run_quantize(ns: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 
+from pagellm import cli_types
 from pagellm.config import EngineArgs, parse_bytes
 from pagellm.server.middleware import HttpOptions
 from pagellm.server.tool_parsers import TOOL_PARSERS
@@ -20,7 +21,7 @@ def add_serve_parser(sub) -> None:
                                    "responses, embeddings, models) and vLLM's /health, /ping, /metrics, /tokenize, "
                                    "/detokenize, /version and /invocations; /docs describes them.")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    s.add_argument("--port", type=cli_types.port, default=8000, help="port (default 8000; 0 picks a free one)")
     s.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGELLM_API_KEY)")
     s.add_argument("--api-key-file", default=None, metavar="PATH",
@@ -36,11 +37,11 @@ def add_serve_parser(sub) -> None:
                    help="log each request's prompt and output (default: never logged)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) clients use (default: --model as given, or the model file's name)")
-    s.add_argument("--max-queue-len", type=int, default=None, metavar="N",
+    s.add_argument("--max-queue-len", type=cli_types.positive_int, default=None, metavar="N",
                    help="answer 503 + Retry-After while N requests wait (default: unbounded)")
-    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+    s.add_argument("--request-timeout", type=cli_types.positive_seconds, default=None, metavar="SECONDS",
                    help="abort a request still running after this long (default: none)")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+    s.add_argument("--shutdown-timeout", type=cli_types.nonnegative_seconds, default=10.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, let in-flight requests finish this long, then abort them "
                         "(default 10)")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",

@@ -1,0 +1,126 @@
+"""What a probe of the command line found (twenty-second session), each now a test: values that slipped past
+the checks into a traceback, a default, or a late failure after minutes of work; errors on stdout with exit
+status 0; an ERROR logged by a successful multi-process run."""
+
+import argparse
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from pagellm import cli_types
+from pagellm.bench.report import check_outputs
+from pagellm.config import EngineArgs, ModelConfig
+from pagellm.engine.kv_sizing import check_device_memory
+from pagellm.quant.quantize_cli import check_options
+
+# a few CLI processes that stop at their argument checks, one tiny two-rank run: well under a minute each
+pytestmark = pytest.mark.timeout(180)
+
+
+def cli(*args: str, env: dict | None = None, cwd: str | None = None, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagellm.cli", *args], capture_output=True, text=True,
+                          timeout=150, env={**os.environ, **(env or {})}, cwd=cwd, input=stdin)
+
+
+@pytest.mark.parametrize(("kind", "text", "ok"), [
+    (cli_types.port, "99999", False), (cli_types.port, "-1", False), (cli_types.port, "0", True),
+    (cli_types.positive_int, "0", False), (cli_types.positive_int, "x", False), (cli_types.positive_int, "3", True),
+    (cli_types.positive_seconds, "nan", False), (cli_types.positive_seconds, "-1", False),
+    (cli_types.nonnegative_seconds, "0", True), (cli_types.nonnegative_seconds, "-5", False),
+    (cli_types.rate, "inf", True), (cli_types.rate, "nan", False), (cli_types.rate, "0", False),
+    (cli_types.nonnegative_number, "nan", False), (cli_types.positive_number, "0.5", True),
+])
+def test_argument_types(kind, text, ok):
+    if ok:
+        assert kind(text) == float(text)
+    else:
+        with pytest.raises(argparse.ArgumentTypeError):
+            kind(text)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("num_threads", -1, "num_threads must be"), ("num_threads", 0, "num_threads must be"),
+    ("num_threads", 10**20, "num_threads must be"), ("max_model_len", 0, "max_model_len must be"),
+    ("kv_cache_memory", "", "kv_cache_memory: cannot parse"),
+])
+def test_falsy_values_are_refused_not_defaulted(field, value, words):
+    with pytest.raises(ValueError, match=words):
+        EngineArgs(**{field: value})
+
+
+def test_a_kv_cache_larger_than_the_device_is_one_line():
+    with pytest.raises(ValueError, match="more than the device's memory"):
+        check_device_memory("--kv-cache-memory", 10**23, None)
+    check_device_memory("--kv-cache-memory", 2**20, None)  # a MiB fits anywhere
+    r = cli("generate", "--prompt", "Hi", "--max-tokens", "2", "--kv-cache-memory", "99999999999999999999999")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("pagellm: error: --kv-cache-memory")
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [["serve", "--port", "99999"], ["serve", "--request-timeout", "nan"],
+                                  ["serve", "--shutdown-timeout", "-5"], ["bench", "throughput", "--num-prompts", "0"],
+                                  ["bench", "serve", "--request-rate", "nan", "--url", "http://127.0.0.1:1"],
+                                  ["eval", "--margin", "nan"], ["bench", "throughput", "--input-len", "10", "5"]])
+def test_bad_numbers_stop_before_any_model_loads(args):
+    r = cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "error:" in r.stderr.strip().splitlines()[-1]
+
+
+def test_report_paths_are_checked_before_the_run(tmp_path):
+    with pytest.raises(ValueError, match="cannot write"):
+        check_outputs(None, "/proc/no/such/dir/x.json")
+    with pytest.raises(ValueError, match="a directory"):
+        check_outputs(str(tmp_path))
+    check_outputs(str(tmp_path / "new" / "r.json"), None)
+    assert not (tmp_path / "new" / "r.json").exists()  # checked, not created
+
+
+def test_quantize_checks_its_output_and_picks_a_group_size_that_divides():
+    cfg = ModelConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    ns = types.SimpleNamespace(method="rtn", bits=4, format=None, desc_act=False, sym=True, group_size=None,
+                               calibration=None, num_samples=32, seq_len=128, out="/proc/pagellm-quantize-out")
+    with pytest.raises(ValueError, match="--out /proc/pagellm-quantize-out"):
+        check_options(ns, cfg)
+    assert ns.group_size == 64  # 128 does not divide 576
+    ns.out, ns.group_size, ns.desc_act = "", None, False
+    with pytest.raises(ValueError, match="--out is empty"):
+        check_options(ns, cfg)
+    ns.desc_act = True
+    with pytest.raises(ValueError, match="--desc-act is for --method gptq"):
+        check_options(ns, cfg)
+
+
+def test_an_empty_cache_dir_is_unset(tmp_path):
+    r = cli("info", env={"PAGELLM_CACHE_DIR": ""}, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "kernels").exists()  # Path("") was the working directory
+
+
+def test_chat_errors_go_to_stderr_and_the_exit_status():
+    r = cli("chat", "--url", "http://127.0.0.1:1", "--model", "tiny", stdin="hi\n")
+    assert r.returncode == 1 and "cannot reach" in r.stderr and "cannot reach" not in r.stdout
+    r = cli("chat", "--temperature", "-1", stdin="")
+    assert r.returncode == 2 and "temperature" in r.stderr.strip().splitlines()[-1]
+
+
+def test_text_that_is_not_unicode_is_a_clear_error(smollm_gguf_path):
+    from pagellm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(smollm_gguf_path)
+    with pytest.raises(ValueError, match=r"not valid Unicode at character 3 \(U\+D800"):
+        tok.encode("abc\ud800")
+    assert tok.encode("abc \U0001F600") == tok.encode("abc \U0001F600")
+
+
+def test_a_multi_process_run_ends_without_an_error_logged(tiny_hf_model, smollm_gguf_path):
+    path = tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=256)
+    r = cli("generate", "--model", path, "--tokenizer", smollm_gguf_path, "--prompt", "Hi", "--max-tokens", "2",
+            "-tp", "2", "--kv-cache-memory", "8MiB")
+    assert r.returncode == 0, r.stderr
+    # the workers stopped at exit are no failure (the probe saw the ERROR with -tp 3 -pp 2, a race; 6 ranks
+    # are too many for the 2-core CI machine, so this is a guard, not a reproduction)
+    assert "ERROR" not in r.stderr, r.stderr
