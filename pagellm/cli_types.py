@@ -8,46 +8,15 @@ import argparse
 import math
 
 
-def port(text: str) -> int:
-    value = _int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in [0, 65535], got {text}")
-    return value
+def _ranged(parse, ok, need: str):
+    """An argparse type: text -> parse(text), refused unless ok(value), with `need` in the message."""
+    def convert(text: str):
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{need}, got {text}")
+        return value
 
-
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    value = _float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
-
-
-def nonnegative_seconds(text: str) -> float:
-    value = _float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
-def positive_number(text: str) -> float:
-    value = _float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def nonnegative_number(text: str) -> float:
-    value = _float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return convert
 
 
 def rate(text: str) -> float:
@@ -73,3 +42,11 @@ def _float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+port = _ranged(_int, lambda v: 0 <= v <= 65535, "a port is in [0, 65535]")
+positive_int = _ranged(_int, lambda v: v >= 1, "must be >= 1")
+positive_seconds = _ranged(_float, lambda v: v > 0, "must be a number of seconds > 0")
+nonnegative_seconds = _ranged(_float, lambda v: v >= 0, "must be a number of seconds >= 0")
+positive_number = _ranged(_float, lambda v: v > 0, "must be > 0")
+nonnegative_number = _ranged(_float, lambda v: v >= 0, "must be >= 0")
