@@ -16,6 +16,7 @@ _SIZE_UNITS = {
     "k": 1000, "kb": 1000, "kib": 1024,
     "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
     "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
 }
 
 
@@ -279,6 +280,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {self.speculative_method!r}")
+        if self.draft_model is not None and self.speculative_method != "draft":
+            raise ValueError("draft_model is read only with speculative_method 'draft' (--speculative-method draft)")
         n = self.speculative_disable_by_batch_size
         if n is not None and (not isinstance(n, int) or n < 1):
             raise ValueError(f"speculative_disable_by_batch_size must be an integer >= 1, got {n!r}")

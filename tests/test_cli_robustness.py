@@ -124,3 +124,23 @@ def test_a_multi_process_run_ends_without_an_error_logged(tiny_hf_model, smollm_
     # the workers stopped at exit are no failure (the probe saw the ERROR with -tp 3 -pp 2, a race; 6 ranks
     # are too many for the 2-core CI machine, so this is a guard, not a reproduction)
     assert "ERROR" not in r.stderr, r.stderr
+
+
+def test_smaller_findings():
+    from pagellm.config import parse_bytes
+    from pagellm.spec_decode.proposers import NgramProposer
+
+    assert parse_bytes("1TiB") == 2**40 and parse_bytes("2tb") == 2 * 10**12
+    with pytest.raises(ValueError, match="draft_model is read only with speculative_method 'draft'"):
+        EngineArgs(draft_model="/nonexistent")
+    with pytest.raises(ValueError, match="ngram_max must be >= 1, got -3"):
+        NgramProposer(4, 1024, 2, -3)
+
+
+def test_a_calibration_file_that_is_not_text_is_named(tmp_path):
+    from pagellm.quant.calibration import calibration_tokens
+
+    path = tmp_path / "cal.bin"
+    path.write_bytes(b"abc\xff\xfe\x00")
+    with pytest.raises(ValueError, match=r"cal\.bin is not UTF-8 text \(byte 3"):
+        calibration_tokens(None, str(path), 1, 8, 100)

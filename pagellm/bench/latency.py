@@ -76,7 +76,7 @@ def _summary(llm, prompts: list[list[int]], counts_before: tuple, runs: list[dic
 def _batch_row(args: dict, ns, batch: int) -> dict:
     """One batch size's row: the baseline engine, and with a speculative method the speculative one too (their
     engines are gone when it returns)."""
-    engines = {"baseline": _engine(dict(args, speculative_method=None), ns, batch)}
+    engines = {"baseline": _engine(dict(args, speculative_method=None, draft_model=None), ns, batch)}
     if args.get("speculative_method"):
         engines["speculative"] = _engine(args, ns, batch)
     runs: dict[str, list[dict]] = {k: [] for k in engines}

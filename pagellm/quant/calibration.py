@@ -22,8 +22,11 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 def calibration_tokens(tokenizer, path: str, num_samples: int, seq_len: int, vocab_size: int) -> torch.Tensor:
     """[num_samples, seq_len] token windows spread evenly over the encoded text (overlapping when the text is
     shorter than num_samples * seq_len); each starts with BOS when the tokenizer has one."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"calibration file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
     bos = getattr(tokenizer, "bos_token_id", None)
     body = seq_len - (bos is not None)

@@ -39,6 +39,8 @@ class Proposer:
 class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, max_model_len: int, n_min: int, n_max: int):
         super().__init__(num_speculative_tokens, max_model_len)
+        if n_max < 1:
+            raise ValueError(f"ngram_max must be >= 1, got {n_max}")
         if not 1 <= n_min <= n_max:
             raise ValueError(f"ngram_min must be in [1, ngram_max={n_max}], got {n_min}")
         self.n_min, self.n_max = n_min, n_max
