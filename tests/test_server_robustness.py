@@ -76,6 +76,14 @@ def test_a_form_encoded_body_is_told_to_send_json(server):
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
 
 
+def test_a_wrong_shape_names_what_the_field_takes_here(server):
+    """/tokenize's prompt is a string: its 400 no longer lists the completions prompt's union of shapes."""
+    r = httpx.post(server.url + "/tokenize", json={"prompt": ["a"]}, timeout=60)
+    assert r.status_code == 400 and "token ids" not in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": 5, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400 and "list of token ids" in r.json()["error"]["message"], r.text
+
+
 def test_models_retrieve(server):
     client = server.client()
     assert client.models.retrieve(MODEL).id == MODEL
