@@ -84,6 +84,13 @@ def test_a_wrong_shape_names_what_the_field_takes_here(server):
     assert r.status_code == 400 and "list of token ids" in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "n", "logprobs", "seed"])
+def test_a_boolean_is_no_integer(server, field):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, field: True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "boolean" in r.json()["error"]["message"], r.text
+
+
 def test_models_retrieve(server):
     client = server.client()
     assert client.models.retrieve(MODEL).id == MODEL

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import SamplingParams
-from pagellm.server.fields import Flag, TokenId
+from pagellm.server.fields import Flag, Int, TokenId
 from pagellm.server.protocol_structured import StructuredOutputFields, attach
 
 
@@ -32,22 +32,22 @@ class _SamplingRequest(StructuredOutputFields, _Body):
     # vLLM define that pagellm cannot honour (server/request_checks.py); others are still accepted.
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
     stream: Flag = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: Flag = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: Flag = False
@@ -57,9 +57,9 @@ class _SamplingRequest(StructuredOutputFields, _Body):
     length_penalty: float = 1.0  # beam search: a sequence scores sum(logprob) / length ** length_penalty
     allowed_token_ids: list[TokenId] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # never generated (vLLM's token-sequence semantics)
-    truncate_prompt_tokens: int | None = None  # keep the last N prompt tokens (-1: as many as fit)
+    truncate_prompt_tokens: Int | None = None  # keep the last N prompt tokens (-1: as many as fit)
     return_tokens_as_token_ids: Flag | None = None  # logprob tokens as "token_id:N"; None: the server flag
-    prompt_logprobs: int | None = None  # vLLM: logprob + top-N of every prompt token (not with stream)
+    prompt_logprobs: Int | None = None  # vLLM: logprob + top-N of every prompt token (not with stream)
 
     @property
     def include_usage(self) -> bool:
@@ -127,12 +127,12 @@ class _SamplingRequest(StructuredOutputFields, _Body):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: Flag = False
     add_special_tokens: Flag = True  # vLLM: the tokenizer's BOS etc. on text prompts
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -215,10 +215,10 @@ def _arguments_object(arguments: str | dict) -> dict:
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: Flag = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: Flag = True
     # tools (pagellm/server/serving_chat_tools.py)
     tools: list[ChatTool] | None = None

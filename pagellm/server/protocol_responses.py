@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagellm.server.fields import Flag
+from pagellm.server.fields import Flag, Int
 
 
 class _Body(BaseModel):
@@ -106,10 +106,10 @@ class ResponsesRequest(_Body):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     include: list[str] | None = None
     stream: Flag = False
     store: Flag = True
@@ -117,7 +117,7 @@ class ResponsesRequest(_Body):
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "auto"
     parallel_tool_calls: Flag = True
-    max_tool_calls: int | None = None
+    max_tool_calls: Int | None = None
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
@@ -127,10 +127,10 @@ class ResponsesRequest(_Body):
     prompt: Any = None
     user: str | None = None
     # vLLM extras, as on the other generation endpoints
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     cache_salt: str | None = None
 
     def refuse_unsupported(self) -> None:
