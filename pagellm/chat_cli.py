@@ -133,7 +133,7 @@ def run_chat(ns: argparse.Namespace, stdin=None, stdout=None) -> int:
     system = [{"role": "system", "content": ns.system}] if ns.system else []
     history = list(system)
     interactive = stdin.isatty()
-    failed = False  # the last question got an error: the exit status says so when input ends
+    failed = False  # a question got an error: piped input (a script) ends with exit status 1
     print(HELP, file=stdout, flush=True)
     while True:
         if interactive:
@@ -162,11 +162,13 @@ def run_chat(ns: argparse.Namespace, stdin=None, stdout=None) -> int:
             stdout.write(" [stopped]")
         except (ChatError, ValueError) as e:
             history.pop()  # the question got no answer: don't keep it
+            if answer:  # a partial answer ends its line before the next one starts
+                stdout.write("\n")
+                stdout.flush()
             print(f"error: {e}", file=sys.stderr, flush=True)
             failed = True
             continue
-        failed = False
         stdout.write("\n")
         stdout.flush()
         history.append({"role": "assistant", "content": "".join(answer)})
-    return 1 if failed else 0
+    return 1 if failed and not interactive else 0

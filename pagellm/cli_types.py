@@ -21,8 +21,11 @@ def _ranged(parse, ok, need: str):
 
 def rate(text: str) -> float:
     """Requests per second: > 0, and inf (all at once) allowed; nan refused."""
-    value = float(text) if text.strip().lower() in ("inf", "+inf") else _float(text)
-    if not value > 0:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:  # nan too
         raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
     return value
 
@@ -44,6 +47,7 @@ def _float(text: str) -> float:
     return value
 
 
+thread_count = _ranged(_int, lambda v: 1 <= v <= 4096, "must be in [1, 4096]")  # config.MAX_THREADS
 port = _ranged(_int, lambda v: 0 <= v <= 65535, "a port is in [0, 65535]")
 positive_int = _ranged(_int, lambda v: v >= 1, "must be >= 1")
 positive_seconds = _ranged(_float, lambda v: v > 0, "must be a number of seconds > 0")

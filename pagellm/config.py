@@ -25,15 +25,16 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected a byte size, got {value!r}")
     if isinstance(value, int | float):
-        if value <= 0:
-            raise ValueError(f"byte size must be positive, got {value}")
+        if not 0 < value < 2**63:  # nan and inf too
+            raise ValueError(f"byte size must be positive and below 2**63, got {value}")
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"cannot parse byte size {value!r} (examples: 2GiB, 512MiB, 1000000)")
-    n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ValueError(f"byte size must be positive, got {value!r}")
+    n = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if not 1 <= n < 2**63:  # 400 digits overflow float to inf
+        raise ValueError(f"byte size must be positive and below 2**63, got {value!r}")
+    n = int(n)
     return n
 
 
@@ -122,7 +123,7 @@ def _rope_scaling(cfg: dict) -> dict | None:
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 
 
-MAX_THREADS = 4096  # torch.set_num_threads takes a C int; a larger count is a typo
+MAX_THREADS = 4096  # torch.set_num_threads takes a C int; a larger count is a typo (cli_types.thread_count)
 
 
 @dataclass
@@ -306,7 +307,8 @@ class EngineArgs:
         n = self.num_threads
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
             raise ValueError(f"num_threads must be an integer in [1, {MAX_THREADS}], got {n!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+        m = self.max_model_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None:
             try:
@@ -439,7 +441,8 @@ class EngineArgs:
                             "part where the top two tokens are close. Default: under --dtype auto where the "
                             "CPU has AVX-512 VNNI, int8 plus a second int8 plane for the rounding error "
                             "(float32-level logprobs, `pagellm info`); float32 activations otherwise")
-        g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        g.add_argument("--num-threads", type=cli_types.thread_count, default=None,
+                       help="torch CPU threads (default: torch's)")
         g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="split every layer's heads and MLP columns over this many worker processes")
         g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,

@@ -255,10 +255,19 @@ def test_add_requests_is_every_prompt_or_none(engine):
     assert run(engine, body).finished
 
 
-def test_add_requests_checks_the_queue_for_the_whole_list(engine):
-    async def body(ae):
-        with pytest.raises(QueueFullError, match="3 more asked"):
-            await ae.add_requests(PROMPTS[:3], GREEDY, ["q-0", "q-1", "q-2"])
-        return await collect(ae, PROMPTS[3])
+def test_add_requests_checks_the_queue_for_the_whole_list(engine, monkeypatch):
+    monkeypatch.setattr(engine.scheduler.config, "max_num_seqs", 1)
 
-    assert run(engine, body, max_queue_len=2).finished
+    async def body(ae):
+        with pytest.raises(ValueError, match="more than the server's queue holds"):  # never fits: not a 503
+            await ae.add_requests(PROMPTS[:3], GREEDY, ["q-0", "q-1", "q-2"])
+        running = await ae.add_request(PROMPTS[0], LONG)
+        await async_wait_until(lambda: engine.scheduler.num_running > 0, what="first request running")
+        waiting = await ae.add_request(PROMPTS[1], LONG)  # max_num_seqs=1: it waits
+        await async_wait_until(lambda: ae.num_waiting() == 1, what="one waiting")
+        with pytest.raises(QueueFullError, match="2 more asked"):  # fits once the queue drains: a 503
+            await ae.add_requests(PROMPTS[2:4], GREEDY, ["q-3", "q-4"])
+        running.close()
+        waiting.close()
+
+    run(engine, body, max_queue_len=2)

@@ -32,6 +32,8 @@ def cli(*args: str, env: dict | None = None, cwd: str | None = None, stdin: str 
     (cli_types.nonnegative_seconds, "0", True), (cli_types.nonnegative_seconds, "-5", False),
     (cli_types.rate, "inf", True), (cli_types.rate, "nan", False), (cli_types.rate, "0", False),
     (cli_types.nonnegative_number, "nan", False), (cli_types.positive_number, "0.5", True),
+    (cli_types.rate, "Infinity", True), (cli_types.rate, "-inf", False), (cli_types.thread_count, "4097", False),
+    (cli_types.thread_count, "2", True),
 ])
 def test_argument_types(kind, text, ok):
     if ok:
@@ -101,7 +103,7 @@ def test_an_empty_cache_dir_is_unset(tmp_path):
 
 
 def test_chat_errors_go_to_stderr_and_the_exit_status():
-    r = cli("chat", "--url", "http://127.0.0.1:1", "--model", "tiny", stdin="hi\n")
+    r = cli("chat", "--url", "http://127.0.0.1:1", "--model", "tiny", stdin="hi\n/reset\n")
     assert r.returncode == 1 and "cannot reach" in r.stderr and "cannot reach" not in r.stdout
     r = cli("chat", "--temperature", "-1", stdin="")
     assert r.returncode == 2 and "temperature" in r.stderr.strip().splitlines()[-1]
@@ -131,6 +133,11 @@ def test_smaller_findings():
     from pagellm.spec_decode.proposers import NgramProposer
 
     assert parse_bytes("1TiB") == 2**40 and parse_bytes("2tb") == 2 * 10**12
+    for huge in ("9" * 400, float("inf"), float("nan")):  # 400 digits overflowed float: an OverflowError traceback
+        with pytest.raises(ValueError, match="below 2\\*\\*63"):
+            parse_bytes(huge)
+    with pytest.raises(ValueError, match="max_model_len must be"):
+        EngineArgs(max_model_len=True)
     with pytest.raises(ValueError, match="draft_model is read only with speculative_method 'draft'"):
         EngineArgs(draft_model="/nonexistent")
     with pytest.raises(ValueError, match="ngram_max must be >= 1, got -3"):

@@ -8,7 +8,7 @@ import os
 
 def check_outputs(*paths: str | None) -> None:
     """That each report path (--json, --plot) can be written, before a run that takes minutes: its directory
-    made (as write_json would), the file or its directory writable (nothing created). ValueError: the CLI's
+    made (as write_json would), the file or its directory writable (no file created). ValueError: the CLI's
     one line."""
     for path in paths:
         if not path:

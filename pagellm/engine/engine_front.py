@@ -120,11 +120,15 @@ class EngineFront:
         if error is not None:
             for s in streams:
                 s.close()
+            del streams, results, prompts  # the traceback holds this frame: no cycle keeps the prompts (add_request)
             raise error
         return streams
 
     def _check_room(self, n: int) -> None:
         self._check_accepting()
+        if self.max_queue_len is not None and n > self.max_queue_len:  # a 503 would be retried forever
+            raise ValueError(f"a request of {n} prompts is more than the server's queue holds "
+                             f"(--max-queue-len {self.max_queue_len})")
         if self.max_queue_len is not None and self.num_waiting() + n > self.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests"
                                  f"{f', {n} more asked' if n > 1 else ''}); retry later")

@@ -47,7 +47,7 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--num-samples", type=int, default=32, help="calibration windows (default 32)")
     q.add_argument("--seq-len", type=int, default=128, help="tokens per calibration window (default 128)")
     q.add_argument("--keep", default="", help="comma list of module-name substrings kept in float, e.g. layers.0.")
-    q.add_argument("--num-threads", type=cli_types.positive_int, default=None,
+    q.add_argument("--num-threads", type=cli_types.thread_count, default=None,
                    help="torch CPU threads (default: torch's; on a loaded machine 1 can be several times faster)")
     q.add_argument("--out", required=True, help="output directory (new or empty)")
     q.set_defaults(func=run_quantize)

@@ -66,7 +66,9 @@ async def list_models(request: Request):
 @v1.get("/models/{model:path}")  # the openai client's models.retrieve(); a served name may hold a slash
 async def retrieve_model(model: str, request: Request):
     ctx = _ctx(request)
-    return _model_card(ctx, ctx.check_model(model or None))
+    if not model:  # /v1/models/ with its trailing slash: the list, as before this route
+        return await list_models(request)
+    return _model_card(ctx, ctx.check_model(model))
 
 
 @v1.post("/completions")

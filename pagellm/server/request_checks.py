@@ -99,8 +99,11 @@ async def prepare_prompts(tokenizer, prompts: list[str | list[int]], params: Sam
     in a worker thread, truncate_prompt_tokens applied (the text dropped then: it no longer matches), and
     max_tokens (`max_tokens` if given, else params.max_tokens) checked against the context."""
     texts = [p for p in prompts if isinstance(p, str)]
-    encoded = iter(await asyncio.to_thread(
-        lambda: [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]) if texts else [])
+    try:
+        encoded = iter(await asyncio.to_thread(
+            lambda: [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]) if texts else [])
+    except ValueError as e:  # text the tokenizer cannot take (Tokenizer.encode names it): text prompts are completions'
+        raise bad_request(e, "prompt") from None
     out = []
     for p in prompts:
         text, ids = (p, next(encoded)) if isinstance(p, str) else (None, p)
