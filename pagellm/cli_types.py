@@ -47,7 +47,8 @@ def _float(text: str) -> float:
     return value
 
 
-thread_count = _ranged(_int, lambda v: 1 <= v <= 4096, "must be in [1, 4096]")  # config.MAX_THREADS
+MAX_THREADS = 4096  # torch.set_num_threads takes a C int; a larger count is a typo
+thread_count = _ranged(_int, lambda v: 1 <= v <= MAX_THREADS, f"must be in [1, {MAX_THREADS}]")
 port = _ranged(_int, lambda v: 0 <= v <= 65535, "a port is in [0, 65535]")
 positive_int = _ranged(_int, lambda v: v >= 1, "must be >= 1")
 positive_seconds = _ranged(_float, lambda v: v > 0, "must be a number of seconds > 0")

@@ -123,9 +123,6 @@ def _rope_scaling(cfg: dict) -> dict | None:
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 
 
-MAX_THREADS = 4096  # torch.set_num_threads takes a C int; a larger count is a typo (cli_types.thread_count)
-
-
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -305,8 +302,8 @@ class EngineArgs:
     def _check_sizes(self) -> None:
         """What a falsy value would otherwise turn into the default (`or`): 0, or an empty string."""
         n = self.num_threads
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
-            raise ValueError(f"num_threads must be an integer in [1, {MAX_THREADS}], got {n!r}")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cli_types.MAX_THREADS):
+            raise ValueError(f"num_threads must be an integer in [1, {cli_types.MAX_THREADS}], got {n!r}")
         m = self.max_model_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")

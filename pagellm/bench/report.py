@@ -18,8 +18,10 @@ def check_outputs(*paths: str | None) -> None:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
             raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
-        if os.path.isdir(path) or not os.access(path if os.path.exists(path) else parent, os.W_OK):
-            raise ValueError(f"cannot write {path}: " + ("a directory" if os.path.isdir(path) else "not writable"))
+        if os.path.isdir(path):
+            raise ValueError(f"cannot write {path}: a directory")
+        if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+            raise ValueError(f"cannot write {path}: not writable")
 
 
 def write_json(path: str, report: dict) -> None:

@@ -88,19 +88,10 @@ class EngineFront:
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                           timeout: float | None = None, cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it (ValueError if it is invalid)."""
-        self._check_room(1)
-        stream = self._queue(prompt, params, request_id, timeout, cache_salt)
-        try:
-            await stream.accepted
-        except BaseException:
-            stream.close()
-            # The exception's traceback holds this frame; without `stream` (whose future holds the exception)
-            # that is no cycle, so a refused prompt is freed at once rather than by the next full GC.
-            del stream, prompt
-            raise
+        (stream,) = await self.add_requests([prompt], params, [request_id], timeout, cache_salt)
         return stream
 
-    async def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str],
+    async def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str | None],
                            timeout: float | None = None, cache_salt: str | None = None) -> list[RequestStream]:
         """Queue several requests at once and wait until the engine took them all: the engine admits them
         between two steps together (add_request after add_request waits one step each: a list of 64 prompts
@@ -120,7 +111,9 @@ class EngineFront:
         if error is not None:
             for s in streams:
                 s.close()
-            del streams, results, prompts  # the traceback holds this frame: no cycle keeps the prompts (add_request)
+            # The exception's traceback holds this frame; without the streams (whose futures hold the exception)
+            # that is no cycle, so refused prompts are freed at once rather than by the next full GC.
+            del streams, results, prompts
             raise error
         return streams
 

@@ -163,9 +163,10 @@ class MultiprocExecutor(Executor):
             time.sleep(0.05)
 
     def _watch(self) -> None:
-        while not self._closed and not self._dropped.is_set():
+        stopped = lambda: self._closed or self._dropped.is_set()  # noqa: E731  -- workers stopped on purpose
+        while not stopped():
             dead = next((p for p in self.procs if p.exitcode is not None), None)
-            if dead is not None and not self._closed and not self._dropped.is_set():
+            if dead is not None and not stopped():
                 self.error = self.error or self._worker_error(0.0) or f"{dead.name} exited with code {dead.exitcode}"
                 logger.error("%s: stopping every rank", self.error)
                 self._kill_all()  # whatever the engine waits on now fails at once

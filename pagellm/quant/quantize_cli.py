@@ -98,16 +98,12 @@ def check_writable_dir(path: str) -> None:
     """That the output directory can be made and written now, not after minutes of calibration."""
     if not path:
         raise ValueError("--out is empty: name an output directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    existing = parent
-    while not os.path.isdir(existing):
-        existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK) or (os.path.isdir(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"--out {path}: {existing} is not writable")
-    try:  # /proc and the like pass os.access: make the directory, as the writer will
+    try:  # made now, as the writer would: an unwritable parent or /proc fails here
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {path}: not writable")
 
 
 def run_quantize(ns: argparse.Namespace) -> int:

@@ -41,6 +41,15 @@ constexpr int64_t PREFETCH_KEYS = 32;
 // the first ones included (the values' own look-ahead misses its first PREFETCH_KEYS): 64 rows x 300 keys
 // over 30 caches, float16 1.02-1.13 -> 0.80-0.90 ms, int8 0.69-0.78 -> 0.66-0.70; 16 x 1,000 int8
 // 0.55-0.63 -> 0.50-0.54 (Zen 4 VM, microbench_attention.py; benchmarks/NOTES.md, twenty-second session).
+// Every line of a row of `bytes` bytes at p, which may start mid-line (int8 rows: D + 2 bytes); Locality as
+// __builtin_prefetch's: 3 prefetcht0, 2 prefetcht1.
+template <int Locality>
+inline void prefetch_row(const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(c + at, 0, Locality);
+    __builtin_prefetch(c + bytes - 1, 0, Locality);  // the last line of an unaligned row
+}
+
 template <typename T, typename F>
 inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f,
                          const T* pf = nullptr, const T* pv = nullptr) {
@@ -54,15 +63,9 @@ inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_
         for (int64_t i = j - first, k = j; i < j - first + count; ++i, ++k, off += a.stride) {
             if (prefetch && k + PREFETCH_KEYS <= pos) {
                 const int64_t ahead = k + PREFETCH_KEYS;
-                const char* p = reinterpret_cast<const char*>(pf + (table[ahead / bs] * bs + ahead % bs) * a.stride);
-                for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 3);
-                __builtin_prefetch(p + row_bytes - 1, 0, 3);  // the last line of an unaligned row
+                prefetch_row<3>(pf + (table[ahead / bs] * bs + ahead % bs) * a.stride, row_bytes);
             }
-            if (prefetch && pv != nullptr) {  // prefetcht1: a whole row's values outgrow L1
-                const char* p = reinterpret_cast<const char*>(pv + off);
-                for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, 2);
-                __builtin_prefetch(p + row_bytes - 1, 0, 2);
-            }
+            if (prefetch && pv != nullptr) prefetch_row<2>(pv + off, row_bytes);  // L2: a row's values outgrow L1
             f(i, off);
         }
         j += count;
