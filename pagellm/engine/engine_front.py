@@ -88,7 +88,11 @@ class EngineFront:
     async def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str | None = None,
                           timeout: float | None = None, cache_salt: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it (ValueError if it is invalid)."""
-        (stream,) = await self.add_requests([prompt], params, [request_id], timeout, cache_salt)
+        try:
+            (stream,) = await self.add_requests([prompt], params, [request_id], timeout, cache_salt)
+        except BaseException:
+            del prompt  # the traceback holds this frame too (see add_requests)
+            raise
         return stream
 
     async def add_requests(self, prompts: list, params: SamplingParams, request_ids: list[str | None],
@@ -98,23 +102,34 @@ class EngineFront:
         took ~11 s to admit under load, unaware of its client leaving). Every one or none: where one is
         refused, or the wait is cancelled, the others are closed (aborted) and the error raised."""
         self._check_room(len(prompts))
+        streams = self._queue_all(prompts, params, request_ids, timeout, cache_salt)
+        try:
+            results = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
+            del results
+            if error is not None:
+                raise error
+        except BaseException:
+            for s in streams:
+                s.close()
+            # The exception's traceback holds this frame (and add_request's): no prompt may stay among their
+            # locals, or refused prompts wait for the next full GC (tests/test_bench_soak.py).
+            del streams, prompts
+            raise
+        return streams
+
+    def _queue_all(self, prompts: list, params: SamplingParams, request_ids: list[str | None],
+                   timeout: float | None, cache_salt: str | None) -> list[RequestStream]:
+        """Every prompt queued, or (a request id in use) none: those queued already are closed. Its own frame,
+        gone when it returns, so that no later traceback holds a prompt in a loop variable."""
         streams: list[RequestStream] = []
         try:
             for prompt, rid in zip(prompts, request_ids, strict=True):
                 streams.append(self._queue(prompt, params, rid, timeout, cache_salt))
-            results = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
         except BaseException:
             for s in streams:
                 s.close()
             raise
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            for s in streams:
-                s.close()
-            # The exception's traceback holds this frame; without the streams (whose futures hold the exception)
-            # that is no cycle, so refused prompts are freed at once rather than by the next full GC.
-            del streams, results, prompts
-            raise error
         return streams
 
     def _check_room(self, n: int) -> None:
