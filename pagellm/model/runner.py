@@ -140,10 +140,11 @@ class ModelRunner:
         sends = []
         for first, rows in self._micro_batches(msg.rows):
             input_ids, positions, meta = self._prepare(rows)
+            keep = _pruned_rows(msg.want, rows, meta)
             with drafts_in_step(sum(len(r.spec_token_ids) for r in rows)):  # drafts never pick a path
-                hidden = self._forward(input_ids, positions, meta, sends)
+                hidden = self._forward(input_ids, positions, meta, sends, keep)
                 if last:
-                    parts.append(self._outputs(msg.want, rows, first, hidden, meta))
+                    parts.append(self._outputs(msg.want, rows, first, hidden, meta, keep))
         for work in sends:  # the next stage has received them before this step returns
             work.wait()
         return _merge(parts) if last else None
@@ -166,20 +167,23 @@ class ModelRunner:
         groups.append((start, rows[start:]))
         return [g for g in groups if g[1]]
 
-    def _forward(self, input_ids, positions, meta, sends) -> torch.Tensor | None:
+    def _forward(self, input_ids, positions, meta, sends, keep: list[int] | None) -> torch.Tensor | None:
+        """The final hidden states of every row, or where `keep` is given of those rows only."""
         compiled, pipe = self.compiled_decoder, self.pipeline
         if compiled is not None and compiled.serves(path_rows(input_ids.shape[0], self._choices),
                                                     meta.query_start_loc):
-            return compiled.forward(input_ids, positions, self.kv_caches, meta)
+            hidden = compiled.forward(input_ids, positions, self.kv_caches, meta)
+            return hidden if keep is None else hidden[keep]
+        rows = None if keep is None else to_device(keep, self.device, torch.int64)
         if pipe is None:
-            return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend, keep=rows)
         intermediate = None
         if not pipe.is_first:
             t0 = time.perf_counter()
             x = pipe.recv_hidden(input_ids.shape[0], self.model.config.hidden_size, self._dtype())
             self.pipeline_wait_seconds += time.perf_counter() - t0
             intermediate = (x[0], x[1])
-        out = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate)
+        out = self.model(input_ids, positions, self.kv_caches, meta, self.backend, intermediate, keep=rows)
         if pipe.is_last:
             return out
         sends.append(pipe.send_hidden(torch.stack(out).to(self._dtype())))  # the dtype the next stage expects
@@ -189,7 +193,12 @@ class ModelRunner:
         return self.model.norm.weight.dtype
 
     def _outputs(self, want: str, rows: list[ScheduledRows], first: int, hidden: torch.Tensor,
-                 meta: AttentionMetadata) -> StepResult:
+                 meta: AttentionMetadata, keep: list[int] | None) -> StepResult:
+        """keep: the rows `hidden` holds (the sampled ones, in order), or None: hidden has every row."""
+        if keep is not None:
+            result = StepResult(sample_rows=[first + i for i, row in enumerate(rows) if row.samples])
+            result.logits = self.model.compute_logits(hidden) if keep else None
+            return result
         if want == "hidden":
             return StepResult(hidden=hidden)
         if want == "all_logits":
@@ -198,9 +207,7 @@ class ModelRunner:
         if any(r.prompt_logprobs is not None for r in rows):
             with drafts_in_step(0):  # prompt rows: no drafts among them
                 result.prompt_logprobs = self._prompt_logprobs(rows, first, hidden, meta)
-        starts = meta.query_start_loc
-        keep = [r for i, row in enumerate(rows) if row.samples
-                for r in range(starts[i + 1] - 1 - len(row.spec_token_ids), starts[i + 1])]
+        keep = _sampled_rows(rows, meta)
         result.sample_rows = [first + i for i, row in enumerate(rows) if row.samples]
         if keep:
             result.logits = self.model.compute_logits(hidden.index_select(0, to_device(keep, self.device)))
@@ -255,6 +262,23 @@ class ModelRunner:
             src, dst = (to_device(x, self.device) for x in zip(*copies.cow, strict=True))
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
+
+
+def _sampled_rows(rows: list[ScheduledRows], meta: AttentionMetadata) -> list[int]:
+    """The step's rows whose logits are sampled, in order: each sampling request's last row and its drafts'."""
+    starts = meta.query_start_loc
+    return [r for i, row in enumerate(rows) if row.samples
+            for r in range(starts[i + 1] - 1 - len(row.spec_token_ids), starts[i + 1])]
+
+
+def _pruned_rows(want: str, rows: list[ScheduledRows], meta: AttentionMetadata) -> list[int] | None:
+    """The rows the forward needs final hidden states for, where that is fewer than all (prefill chunks: only
+    their last row samples) and nothing else reads the rest (hidden states, all logits, prompt logprobs);
+    else None."""
+    if want != "logits" or any(r.prompt_logprobs is not None for r in rows):
+        return None
+    keep = _sampled_rows(rows, meta)
+    return keep if len(keep) < meta.query_start_loc[-1] else None
 
 
 def _merge(parts: list[StepResult]) -> StepResult:

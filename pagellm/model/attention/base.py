@@ -45,16 +45,26 @@ class AttentionBackend:
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary, dtype: torch.dtype, num_heads: int,
                     num_kv_heads: int, head_dim: int, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, keep: torch.Tensor | None = None) -> torch.Tensor:
         """qkv: [T, (H + 2 * KV) * D], the fused projection's output (q, k, v heads side by side in each row);
         rotary: the model's RotaryEmbedding; dtype: the activations' (a bf16 product's qkv is cast to it).
-        Rotates q and k, writes k and v into the cache and attends: [T, H, D]. This is the unfused path, step
+        Rotates q and k, writes k and v into the cache and attends: [T, H, D], or with `keep` (row indices) only
+        those rows' outputs, [len(keep), H, D], every row's k and v still written. This is the unfused path, step
         by step; a backend with a kernel that does several steps in one pass overrides it (triton_paged)."""
         # q and k heads sit side by side; a bf16 product's qkv comes back as a rotated float32 copy
         qkv = rotary(positions, qkv, num_heads + num_kv_heads, dtype)
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-        return self.forward(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
-                            v.view(-1, num_kv_heads, head_dim), kv_cache, meta, scale)
+        q = q.view(-1, num_heads, head_dim)
+        k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+        if keep is None:
+            return self.forward(q, k, v, kv_cache, meta, scale)
+        return self.forward_rows(q, k, v, kv_cache, meta, scale, keep)
+
+    def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, keep: torch.Tensor) -> torch.Tensor:
+        """forward's outputs of the rows `keep` only. Here every row attends and the rest are dropped; a backend
+        that can attend a subset of rows overrides it (cpu_paged)."""
+        return self.forward(q, k, v, kv_cache, meta, scale).index_select(0, keep)
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):

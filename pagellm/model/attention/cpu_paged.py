@@ -52,6 +52,19 @@ class CpuPagedAttention(AttentionBackend):
             out.index_copy_(0, rows, o)
         return out
 
+    def forward_rows(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, keep: torch.Tensor):
+        """Only the rows `keep` attend (a step's last layer, whose other rows' outputs nobody reads), each over its
+        request's keys in the cache through the decode kernel, one query row at a time: a prefill chunk's last
+        row costs what a decode row does, and the chunk's flash attention is not run."""
+        if q.shape[-1] % 8:
+            return super().forward_rows(q, k, v, kv_cache, meta, scale, keep)
+        ops.write_kv(k, v, kv_cache, meta.slot_mapping)
+        if not keep.numel():
+            return q[:0]
+        return ops.paged_attention(q.index_select(0, keep), kv_cache, meta.block_tables,
+                                   meta.row_seq.index_select(0, keep), meta.positions.index_select(0, keep),
+                                   meta.sliding_window, scale)
+
     def _long_requests(self, q, kv_cache, meta: AttentionMetadata, scale: float, long: list[int]) -> torch.Tensor:
         """The output rows of the requests in `long` (other rows left unset): the own bf16 kernel for those it
         takes, SDPA for the rest (in bf16 under "sdpa", else in q's dtype)."""

@@ -50,19 +50,20 @@ class TritonPagedAttention(AttentionBackend):
         return self._attend(q, kv_cache, meta, scale)
 
     def forward_qkv(self, qkv, positions, rotary, dtype, num_heads, num_kv_heads, head_dim, kv_cache,
-                    meta: AttentionMetadata, scale: float):
+                    meta: AttentionMetadata, scale: float, keep: torch.Tensor | None = None):
         """One kernel rotates q and k in place in qkv and writes k and v into the cache (rope_write_kv), where
         the unfused path runs torch's rotary (a gather, temporaries and several elementwise kernels) and then
         the KV write; attention then reads q from qkv. Where the kernel does not do what that path would (a cast
         first, another rotary, an fp8 cache), the unfused path."""
         if not self._fusable(qkv, rotary, dtype, num_heads, num_kv_heads, head_dim, kv_cache):
             return super().forward_qkv(qkv, positions, rotary, dtype, num_heads, num_kv_heads, head_dim, kv_cache,
-                                       meta, scale)
+                                       meta, scale, keep)
         self._check(qkv, kv_cache)
         self._kv_write.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping, num_heads,
                                      num_kv_heads)
         q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)  # rows strided by the whole qkv row
-        return self._attend(q, kv_cache, meta, scale)
+        out = self._attend(q, kv_cache, meta, scale)
+        return out if keep is None else out.index_select(0, keep)
 
     def _fusable(self, qkv, rotary, dtype, num_heads, num_kv_heads, head_dim, kv_cache) -> bool:
         """rope_write_kv does what the unfused path does only for qkv already in the activations' dtype (the

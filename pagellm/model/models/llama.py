@@ -37,12 +37,14 @@ class Attention(nn.Module):
         self.qkv_proj.bf16_out = True  # and qkv's to the rotary embedding (ignored with a bias: Qwen2)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend):
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend,
+                keep: torch.Tensor | None = None):
+        """keep: the rows whose output is wanted (None: all); every row's k and v are written either way."""
         # The backend rotates q and k, writes k and v into the cache and attends: step by step, or in fewer
         # passes where it has a kernel for them (AttentionBackend.forward_qkv).
         o = backend.forward_qkv(self.qkv_proj(x), positions, rotary, x.dtype, self.num_heads, self.num_kv_heads,
-                                self.head_dim, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+                                self.head_dim, kv_cache, meta, self.scale, keep)
+        return self.o_proj(o.reshape(-1, self.q_size)) if o.shape[0] else x[:0]
 
 
 class MLP(nn.Module):
@@ -69,14 +71,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, rotary, kv_cache, meta, backend):
+    def forward(self, x, residual, positions, rotary, kv_cache, meta, backend, keep=None):
         """x: the previous layer's output (the embeddings for layer 0, residual None then); returns this
-        layer's output and the residual stream before it, summed by the next norm (one fused op)."""
+        layer's output and the residual stream before it, summed by the next norm (one fused op). keep: the
+        rows to compute past the KV write (None: all); the outputs then have only those rows."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
+            if not keep.numel():  # no row wanted: the layer was run for its k and v
+                return h, residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -98,17 +105,21 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Returns final hidden states [T, hidden] for every input row. A pipeline stage runs only its
-        layers (`layer_range`, kv_caches holds theirs): after the first stage it starts from the previous
-        stage's (hidden, residual), and before the last it returns them."""
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None, keep: torch.Tensor | None = None):
+        """Returns final hidden states [T, hidden] for every input row, or with `keep` (row indices) for those
+        rows only: the last layer then writes every row's k and v but runs attention, MLP and the final norm
+        for the kept rows alone (a prefill chunk's other rows feed no logits; llama.cpp prunes the same way).
+        A pipeline stage runs only its layers (`layer_range`, kv_caches holds theirs): after the first stage it
+        starts from the previous stage's (hidden, residual), and before the last it returns them."""
         start, end = self.layer_range
+        last = self.config.num_hidden_layers - 1
         x, residual = (self.embed(input_ids), None) if intermediate is None else intermediate
-        for layer, kv_cache in zip(self.layers[start:end], kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend)
-        if end < self.config.num_hidden_layers:
+        for i, (layer, kv_cache) in enumerate(zip(self.layers[start:end], kv_caches, strict=True), start):
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, backend,
+                                keep if i == last else None)
+        if end <= last:
             return x.to(residual.dtype), residual  # float32 under --dtype auto (a bf16 product's output)
-        return self.norm(x, residual)[0]
+        return self.norm(x, residual)[0] if x.shape[0] else residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
