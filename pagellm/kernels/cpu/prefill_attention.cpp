@@ -159,19 +159,37 @@ void attend_rows(const float* q, int64_t ldq, float* out, int64_t ldo, int head,
                 s[r][1] = _mm512_dpbf16_ps(s[r][1], x, b);
             }
         }
+        // Masked, scaled scores and each row's new running max; then every row's rescale factor in one vector exp
+        // (as the AMX items: a row's first step has m = -inf, a factor of ~0 on its zero output and sum; a libm exp
+        // per row spilled the live vectors around each call); then the probabilities. A step whose keys every row
+        // sees (all but the diagonal's) skips the masks.
+        const bool whole = key0 + STEP - 1 <= first_pos + r0;
+        const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+        alignas(64) float m_new[16];
         for (int r = 0; r < ROWS; ++r) {
-            // keys key0 + lane (+16) visible to row r: those <= its position (padding keys are beyond it)
-            const __m512i limit = _mm512_set1_epi32((int)(first_pos + r0 + r - key0));
-            const __mmask16 v0 = _mm512_cmple_epi32_mask(iota, limit);
-            const __mmask16 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16)), limit);
-            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-            const __m512 a = _mm512_mask_mul_ps(ninf, v0, s[r][0], _mm512_set1_ps(scale));
-            const __m512 b = _mm512_mask_mul_ps(ninf, v1, s[r][1], _mm512_set1_ps(scale));
-            const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
-            alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - mx);  // row r's keys start at 0: mx is finite
-            m[r] = mx;
-            const __m512 pa = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(a, _mm512_set1_ps(mx))));
-            const __m512 pbv = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(b, _mm512_set1_ps(mx))));
+            if (whole) {
+                s[r][0] = _mm512_mul_ps(s[r][0], sc);
+                s[r][1] = _mm512_mul_ps(s[r][1], sc);
+            } else {  // keys key0 + lane (+16) visible to row r: those <= its position (padding keys are beyond it)
+                const __m512i limit = _mm512_set1_epi32((int)(first_pos + r0 + r - key0));
+                s[r][0] = _mm512_mask_mul_ps(ninf, _mm512_cmple_epi32_mask(iota, limit), s[r][0], sc);
+                s[r][1] = _mm512_mask_mul_ps(
+                    ninf, _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(16)), limit), s[r][1], sc);
+            }
+            // finite: row r sees key 0 from the first step
+            m_new[r] = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s[r][0], s[r][1])));
+        }
+        constexpr __mmask16 rows_mask = (1u << ROWS) - 1;  // the other lanes: exp(0 - 0), unused
+        const __m512 mv = _mm512_maskz_loadu_ps(rows_mask, m_new);
+        _mm512_mask_storeu_ps(alpha, rows_mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(rows_mask, m), mv)));
+        _mm512_mask_storeu_ps(m, rows_mask, mv);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512 mx = _mm512_set1_ps(m[r]);
+            __m512 pa = exp16(_mm512_sub_ps(s[r][0], mx)), pbv = exp16(_mm512_sub_ps(s[r][1], mx));
+            if (!whole) {  // exactly 0 for the masked keys (exp16 clamps: -inf would give ~1e-38)
+                pa = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[r][0], ninf, _CMP_NEQ_OQ), pa);
+                pbv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s[r][1], ninf, _CMP_NEQ_OQ), pbv);
+            }
             l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(pa, pbv));
             _mm512_store_si512(pb[r], as_si(_mm512_cvtne2ps_pbh(pbv, pa)));  // keys 0-15 low, 16-31 high
         }
