@@ -20,6 +20,14 @@ _SIZE_UNITS = {
 }
 
 
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens per KV block the kernels and the manager take
+
+
+def check_block_size(value: int, name: str) -> None:
+    if value not in BLOCK_SIZES:
+        raise ValueError(f"{name} must be a power of two in [1, 256], got {value}")
+
+
 def parse_bytes(value: int | float | str) -> int:
     """Accept 2147483648, "2GiB", "512MiB", "1.5GB" and return a byte count."""
     if isinstance(value, bool):
@@ -134,8 +142,7 @@ class CacheConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         except ValueError as e:
             raise ValueError(f"kv_cache_memory: {e}") from None
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        check_block_size(self.block_size, "block_size")
 
 
 @dataclass

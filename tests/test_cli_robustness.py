@@ -152,3 +152,17 @@ def test_a_calibration_file_that_is_not_text_is_named(tmp_path):
     path.write_bytes(b"abc\xff\xfe\x00")
     with pytest.raises(ValueError, match=r"cal\.bin is not UTF-8 text \(byte 3"):
         calibration_tokens(None, str(path), 1, 8, 100)
+
+
+@pytest.mark.parametrize(("name", "value"), [("PAGELLM_CPU_BLAS", "foo"), ("PAGELLM_CPU_AMX", "no"),
+                                             ("PAGELLM_CPU_KERNELS", "yes")])
+def test_a_mistyped_platform_switch_is_named_not_ignored(name, value):
+    r = cli("info", env={name: value})
+    assert r.returncode != 0 and f"{name} must be" in r.stderr and "Traceback" not in r.stderr
+    assert cli("info", env={name: ""}).returncode == 0  # empty: unset, as PAGELLM_CACHE_DIR
+
+
+def test_plan_takes_the_block_sizes_the_engine_does():
+    r = cli("plan", "--model", "smollm2-135m", "--cpu", "--block-size", "3")
+    assert r.returncode != 0 and "--block-size must be a power of two" in r.stderr and "Traceback" not in r.stderr
+    assert cli("plan", "--model", "smollm2-135m", "--cpu", "--block-size", "32").returncode == 0

@@ -142,10 +142,19 @@ def _build(cxx: list[str], march: str) -> tuple[Path, list[str]]:
     return lib, isa
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable's value, choices[0] where unset or empty; any other value is a ValueError (a
+    mistyped switch would otherwise pick the default without a word)."""
+    value = os.environ.get(name) or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
 def _load_enabled() -> tuple[ctypes.CDLL, dict] | None:
     # The switch is read on every call, outside the cache: turning the kernels off for one engine (a test,
     # a comparison run) must not leave them off, or missing, for the rest of the process.
-    return None if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0" else _load()
+    return None if env_choice("PAGELLM_CPU_KERNELS", ("1", "0")) == "0" else _load()
 
 
 @functools.cache

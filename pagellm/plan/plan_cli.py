@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from pagellm.config import KV_CACHE_DTYPES, ModelConfig
+from pagellm.config import KV_CACHE_DTYPES, ModelConfig, check_block_size
 from pagellm.plan.memory import MemoryPlan, plan_memory, smallest_parallelism
 from pagellm.plan.presets import ARCHITECTURES, GPUS, preset_config
 
@@ -93,6 +93,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         value = getattr(ns, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_block_size(ns.block_size, "--block-size")  # what the engine takes, so a plan is one it can run
 
     def plan(tp: int, pp: int) -> MemoryPlan:
         return plan_memory(cfg, ns.model, device, tp, pp, dtype, ns.kv_cache_dtype, ns.quantization,

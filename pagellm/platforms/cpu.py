@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from pagellm.kernels.build import env_choice
 from pagellm.platforms.base import OpChoices, Platform
 
 # The /proc/cpuinfo flags the platform reports, in the order `pagellm info` lists them.
@@ -109,6 +110,10 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
 
 
+def _amx_switched_on() -> bool:
+    return env_choice("PAGELLM_CPU_AMX", ("1", "0")) == "1"
+
+
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
 PREFAULT_MAX_SHARE = 0.9  # of MemAvailable a prefaulted KV cache may take (the steps' activations need the rest)
 
@@ -179,7 +184,7 @@ class CpuPlatform(Platform):
     @property
     def native_kernels(self) -> bool:
         """Whether the native kernels run here: switched on and built (a compiler was found)."""
-        if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0":
+        if env_choice("PAGELLM_CPU_KERNELS", ("1", "0")) == "0":
             return False
         from pagellm.kernels import cpu_kernels
 
@@ -187,7 +192,7 @@ class CpuPlatform(Platform):
 
     @property
     def openblas_gemm(self) -> bool:
-        if not self.native_kernels or os.environ.get("PAGELLM_CPU_BLAS", "openblas") == "torch":
+        if not self.native_kernels or env_choice("PAGELLM_CPU_BLAS", ("openblas", "torch")) == "torch":
             return False
         from pagellm.kernels import blas
 
@@ -235,7 +240,7 @@ class CpuPlatform(Platform):
     def amx_tiles(self) -> bool:
         """Whether the CPU has AMX-BF16, the kernel build its tile path, and Linux granted this process the tile
         state (kernels/amx.py); PAGELLM_CPU_AMX=0 switches the AMX products off (oneDNN's bf16 path instead)."""
-        if "amx_bf16" not in self.isa or not self.native_kernels or os.environ.get("PAGELLM_CPU_AMX", "1") == "0":
+        if "amx_bf16" not in self.isa or not self.native_kernels or not _amx_switched_on():
             return False
         from pagellm.kernels import amx
 
@@ -246,7 +251,7 @@ class CpuPlatform(Platform):
         """Whether many-row products over tile-order blocks can run on AVX-512 BF16 vdpbf16ps (the kernel build
         has the path: kernels/amx.py bf16dp_ready), for CPUs without AMX tiles; PAGELLM_CPU_AMX=0 switches them off
         too (oneDNN's bf16 path)."""
-        if "avx512_bf16" not in self.isa or not self.native_kernels or os.environ.get("PAGELLM_CPU_AMX", "1") == "0":
+        if "avx512_bf16" not in self.isa or not self.native_kernels or not _amx_switched_on():
             return False
         from pagellm.kernels import amx
 
