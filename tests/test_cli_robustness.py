@@ -157,6 +157,9 @@ def test_a_calibration_file_that_is_not_text_is_named(tmp_path):
 @pytest.mark.parametrize(("name", "value"), [("PAGELLM_CPU_BLAS", "foo"), ("PAGELLM_CPU_AMX", "no"),
                                              ("PAGELLM_CPU_KERNELS", "yes")])
 def test_a_mistyped_platform_switch_is_named_not_ignored(name, value):
+    # with the kernels off too (where allowed): checked whether or not this CPU would go on to read the switch
+    r = cli("info", env={"PAGELLM_CPU_KERNELS": "0", name: value})
+    assert r.returncode != 0 and f"{name} must be" in r.stderr and "Traceback" not in r.stderr
     r = cli("info", env={name: value})
     assert r.returncode != 0 and f"{name} must be" in r.stderr and "Traceback" not in r.stderr
     assert cli("info", env={name: ""}).returncode == 0  # empty: unset, as PAGELLM_CACHE_DIR

@@ -54,7 +54,9 @@ class NativeDecoder:
 
     max_rows = PACKED_MAX_ROWS  # steps of more rows take the module path (GEMMs beat the packed kernels)
     # Its attention is the paged kernel for every row; the module path gives a request with more new rows
-    # than this to SDPA, so such steps take the module path too (the two then agree bit for bit).
+    # than this to SDPA, so such steps take the module path too (the two then agree bit for bit). It computes
+    # every row of the last layer; the module path's pruned last layer attends the kept rows with the same
+    # kernel and picks its products by the step's rows (linear_method.step_rows), so they agree there too.
     max_rows_per_request = PAGED_ATTENTION_MAX_QUERIES
 
     def serves(self, num_rows: int, query_start_loc: list[int]) -> bool:

@@ -22,7 +22,7 @@ from pagellm.model.kv_swap import HostSwap, PinnedSwap
 from pagellm.model.layers.linear import Linear
 from pagellm.platforms.base import to_device
 from pagellm.quant.kv_cache import kv_row_width
-from pagellm.quant.linear_method import drafts_in_step, path_rows
+from pagellm.quant.linear_method import drafts_in_step, path_rows, step_rows
 from pagellm.sample.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 
 # Prompt positions whose logits are materialized at once: 128 x 49,152 float32 logits is 24 MiB.
@@ -142,7 +142,9 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare(rows)
             keep = _pruned_rows(msg.want, rows, meta)
             with drafts_in_step(sum(len(r.spec_token_ids) for r in rows)):  # drafts never pick a path
-                hidden = self._forward(input_ids, positions, meta, sends, keep)
+                # nor does pruning: the last layer's products take the step's path for the kept rows
+                with step_rows(None if keep is None else input_ids.shape[0]):
+                    hidden = self._forward(input_ids, positions, meta, sends, keep)
                 if last:
                     parts.append(self._outputs(msg.want, rows, first, hidden, meta, keep))
         for work in sends:  # the next stage has received them before this step returns
@@ -170,11 +172,12 @@ class ModelRunner:
     def _forward(self, input_ids, positions, meta, sends, keep: list[int] | None) -> torch.Tensor | None:
         """The final hidden states of every row, or where `keep` is given of those rows only."""
         compiled, pipe = self.compiled_decoder, self.pipeline
+        rows = None if keep is None else to_device(keep, self.device, torch.int64)
         if compiled is not None and compiled.serves(path_rows(input_ids.shape[0], self._choices),
                                                     meta.query_start_loc):
+            # every row through the last layer (the kept ones get the same bits as the pruned module path's)
             hidden = compiled.forward(input_ids, positions, self.kv_caches, meta)
-            return hidden if keep is None else hidden[keep]
-        rows = None if keep is None else to_device(keep, self.device, torch.int64)
+            return hidden if rows is None else hidden.index_select(0, rows)
         if pipe is None:
             return self.model(input_ids, positions, self.kv_caches, meta, self.backend, keep=rows)
         intermediate = None

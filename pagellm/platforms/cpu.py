@@ -184,6 +184,9 @@ class CpuPlatform(Platform):
     @property
     def native_kernels(self) -> bool:
         """Whether the native kernels run here: switched on and built (a compiler was found)."""
+        # every switch checked here, whichever this CPU goes on to read: a mistyped one is refused everywhere
+        env_choice("PAGELLM_CPU_AMX", ("1", "0"))
+        env_choice("PAGELLM_CPU_BLAS", ("openblas", "torch"))
         if env_choice("PAGELLM_CPU_KERNELS", ("1", "0")) == "0":
             return False
         from pagellm.kernels import cpu_kernels

@@ -23,6 +23,7 @@ from pagellm.quant.formats import PACKED_MAX_ROWS, PackedWeight
 
 class _Step:
     drafts = 0  # speculative draft rows in the forward (and its sampled logits) now running
+    rows: int | None = None  # the forward's rows, where its products count them instead of their own (step_rows)
 
 
 @contextlib.contextmanager
@@ -35,12 +36,26 @@ def drafts_in_step(drafts: int) -> Iterator[None]:
         _Step.drafts = old
 
 
+@contextlib.contextmanager
+def step_rows(rows: int | None) -> Iterator[None]:
+    """Set by the model runner around a forward whose last layer runs only the sampled rows: every product
+    picks its path by the step's rows, so a kept row gets the arithmetic it would get unpruned (and the
+    one-call decoder's, which computes every row)."""
+    old, _Step.rows = _Step.rows, rows
+    try:
+        yield
+    finally:
+        _Step.rows = old
+
+
 def path_rows(rows: int, choices: OpChoices) -> int:
     """The rows a product counts when it picks its path. Where the paths are float32 and bf16 (`--dtype auto`
     with bf16 GEMMs), speculative drafts do not count: a verification step of 4 requests x 5 rows computes
     as the 4-row plain step does (few-row float32 kernels), not on the bf16 copies, so drafts never change
     a token's arithmetic and speculation stays lossless. (Between the float32 kernels and the float32
     GEMM only the rounding order differs, so there rows count as they are.)"""
+    if _Step.rows is not None:
+        rows = _Step.rows
     return rows - _Step.drafts if choices.bf16_gemm else rows
 
 
