@@ -9,8 +9,15 @@ after seq_len - nq cached.
 
     .venv/bin/python benchmarks/microbench_prefill_attention.py
 
+--kernel-min: only the vdpbf16ps kernel over whole prompts of 128, 272, 512 and 2,048 tokens (float16 cache, blocks
+in order), the minimum of 40 runs (12 at 2,048): for A/B runs of a kernel change, builds in turn, where the
+medians above move with the machine (the twenty-third session's figures in benchmarks/NOTES.md).
+
 Run it alone: the machine has 2 cores.
 """
+
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -63,9 +70,32 @@ def backend_paths(q: torch.Tensor, seq_len: int, kernel: bool) -> dict[str, floa
         lambda m=mode: CpuPagedAttention(m)._long_requests(q, cache, meta, D ** -0.5, [0])) for mode in modes}
 
 
+def kernel_min() -> None:
+    out = []
+    for seq_len in (128, 272, 512, 2048):
+        blocks = -(-seq_len // BS)
+        cache = torch.randn(2, blocks, BS, KV, D).half()
+        table = torch.arange(blocks, dtype=torch.int64)
+        q = torch.randn(seq_len, H, D)
+        run = lambda: ops.prefill_attention_bf16(q, cache, table, seq_len, D ** -0.5, tiles=False)  # noqa: B023, E731
+        run()
+        times = []
+        for _ in range(40 if seq_len < 1024 else 12):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        out.append(f"{seq_len} x {seq_len}: min {min(times) * 1e3:.3f} ms")
+    print(" | ".join(out))
+
+
 def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
+    if "--kernel-min" in sys.argv:
+        if not ops.has_bf16_prefill_attention():
+            sys.exit("this build has no bf16 prefill attention kernel")
+        kernel_min()
+        return
     kernel = ops.has_bf16_prefill_attention()
     for nq, seq_len in [(128, 128), (512, 512), (512, 2048), (2048, 2048), (8, 2048)]:
         row = shape_row(nq, seq_len, kernel)

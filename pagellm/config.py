@@ -42,8 +42,7 @@ def parse_bytes(value: int | float | str) -> int:
     n = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
     if not 1 <= n < 2**63:  # 400 digits overflow float to inf
         raise ValueError(f"byte size must be positive and below 2**63, got {value!r}")
-    n = int(n)
-    return n
+    return int(n)
 
 
 @dataclass

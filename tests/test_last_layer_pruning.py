@@ -11,14 +11,19 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.core.step_message import ScheduledRows
 from pagellm.model.attention import AttentionMetadata
-from pagellm.model.attention.cpu_paged import CpuPagedAttention
-from pagellm.model.runner import _pruned_rows
+from pagellm.model.runner import _prunes, _sampled_rows
 
 pytestmark = pytest.mark.timeout(180)
 
 # float32 on both sides: the kept row attends through the decode kernel instead of the prefill path (another
 # summation order), so logprobs agree to rounding, not bit for bit
 LOGPROB_TOL = 1e-4
+
+
+def _pruned_rows(want: str, rows: list[ScheduledRows], meta: AttentionMetadata) -> list[int] | None:
+    """The rows the runner keeps for the last layer, or None where it does not prune."""
+    sampled = _sampled_rows(rows, meta)
+    return sampled if _prunes(want, rows, sampled, meta.query_start_loc[-1]) else None
 
 
 def meta_for(counts: list[int]) -> AttentionMetadata:
@@ -54,13 +59,14 @@ def llm(tiny_hf_model, smollm_gguf_path):
 
 def test_pruned_steps_sample_what_the_unpruned_forward_does(llm, monkeypatch):
     calls = []
-    real = CpuPagedAttention.forward_rows
+    backend = type(llm.engine.runner.backend)  # CpuPagedAttention; the reference backend without the kernels
+    real = backend.forward_rows
 
     def spy(self, q, k, v, kv_cache, meta, scale, keep):
         calls.append((q.shape[0], keep.numel()))
         return real(self, q, k, v, kv_cache, meta, scale, keep)
 
-    monkeypatch.setattr(CpuPagedAttention, "forward_rows", spy)
+    monkeypatch.setattr(backend, "forward_rows", spy)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(40, 150))] for _ in range(6)]
     pruned = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0),

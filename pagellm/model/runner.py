@@ -140,13 +140,14 @@ class ModelRunner:
         sends = []
         for first, rows in self._micro_batches(msg.rows):
             input_ids, positions, meta = self._prepare(rows)
-            keep = _pruned_rows(msg.want, rows, meta)
+            sampled = _sampled_rows(rows, meta)
+            keep = sampled if _prunes(msg.want, rows, sampled, input_ids.shape[0]) else None
             with drafts_in_step(sum(len(r.spec_token_ids) for r in rows)):  # drafts never pick a path
                 # nor does pruning: the last layer's products take the step's path for the kept rows
                 with step_rows(None if keep is None else input_ids.shape[0]):
                     hidden = self._forward(input_ids, positions, meta, sends, keep)
                 if last:
-                    parts.append(self._outputs(msg.want, rows, first, hidden, meta, keep))
+                    parts.append(self._outputs(msg.want, rows, first, hidden, meta, sampled, keep is not None))
         for work in sends:  # the next stage has received them before this step returns
             work.wait()
         return _merge(parts) if last else None
@@ -196,12 +197,11 @@ class ModelRunner:
         return self.model.norm.weight.dtype
 
     def _outputs(self, want: str, rows: list[ScheduledRows], first: int, hidden: torch.Tensor,
-                 meta: AttentionMetadata, keep: list[int] | None) -> StepResult:
-        """keep: the rows `hidden` holds (the sampled ones, in order), or None: hidden has every row."""
-        if keep is not None:
-            result = StepResult(sample_rows=[first + i for i, row in enumerate(rows) if row.samples])
-            result.logits = self.model.compute_logits(hidden) if keep else None
-            return result
+                 meta: AttentionMetadata, sampled: list[int], pruned: bool) -> StepResult:
+        """sampled: the rows whose logits are sampled (_sampled_rows); pruned: hidden holds only those."""
+        sample_rows = [first + i for i, row in enumerate(rows) if row.samples]
+        if pruned:
+            return StepResult(sample_rows=sample_rows, logits=self.model.compute_logits(hidden) if sampled else None)
         if want == "hidden":
             return StepResult(hidden=hidden)
         if want == "all_logits":
@@ -210,10 +210,9 @@ class ModelRunner:
         if any(r.prompt_logprobs is not None for r in rows):
             with drafts_in_step(0):  # prompt rows: no drafts among them
                 result.prompt_logprobs = self._prompt_logprobs(rows, first, hidden, meta)
-        keep = _sampled_rows(rows, meta)
-        result.sample_rows = [first + i for i, row in enumerate(rows) if row.samples]
-        if keep:
-            result.logits = self.model.compute_logits(hidden.index_select(0, to_device(keep, self.device)))
+        result.sample_rows = sample_rows
+        if sampled:
+            result.logits = self.model.compute_logits(hidden.index_select(0, to_device(sampled, self.device)))
         return result
 
     def _prompt_logprobs(self, rows: list[ScheduledRows], first_row: int, hidden: torch.Tensor,
@@ -274,14 +273,12 @@ def _sampled_rows(rows: list[ScheduledRows], meta: AttentionMetadata) -> list[in
             for r in range(starts[i + 1] - 1 - len(row.spec_token_ids), starts[i + 1])]
 
 
-def _pruned_rows(want: str, rows: list[ScheduledRows], meta: AttentionMetadata) -> list[int] | None:
-    """The rows the forward needs final hidden states for, where that is fewer than all (prefill chunks: only
-    their last row samples) and nothing else reads the rest (hidden states, all logits, prompt logprobs);
-    else None."""
-    if want != "logits" or any(r.prompt_logprobs is not None for r in rows):
-        return None
-    keep = _sampled_rows(rows, meta)
-    return keep if len(keep) < meta.query_start_loc[-1] else None
+def _prunes(want: str, rows: list[ScheduledRows], sampled: list[int], num_rows: int) -> bool:
+    """Whether the forward computes final hidden states for the sampled rows only: they are fewer than all
+    (prefill chunks: only their last row samples) and nothing else reads the rest (hidden states, all logits,
+    prompt logprobs)."""
+    return (want == "logits" and len(sampled) < num_rows
+            and all(r.prompt_logprobs is None for r in rows))
 
 
 def _merge(parts: list[StepResult]) -> StepResult:

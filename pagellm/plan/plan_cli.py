@@ -89,7 +89,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         device = GPUS[ns.gpu] if ns.gpu else parse_size(ns.device_memory)
         label = ns.gpu or f"{device / 1e9:.1f} GB"
     dtype = ns.dtype or ("float32" if ns.cpu else "bfloat16")
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(ns, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -110,8 +110,13 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
 
 
-def _amx_switched_on() -> bool:
-    return env_choice("PAGELLM_CPU_AMX", ("1", "0")) == "1"
+SWITCHES = {"PAGELLM_CPU_KERNELS": ("1", "0"), "PAGELLM_CPU_AMX": ("1", "0"), "PAGELLM_CPU_BLAS": ("openblas", "torch")}
+
+
+def _switch(name: str) -> str:
+    """A switch's value (the first choice where unset). Every switch is checked at each read, so a mistyped one is
+    refused whichever of them this CPU goes on to read."""
+    return {n: env_choice(n, choices) for n, choices in SWITCHES.items()}[name]
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
@@ -184,10 +189,7 @@ class CpuPlatform(Platform):
     @property
     def native_kernels(self) -> bool:
         """Whether the native kernels run here: switched on and built (a compiler was found)."""
-        # every switch checked here, whichever this CPU goes on to read: a mistyped one is refused everywhere
-        env_choice("PAGELLM_CPU_AMX", ("1", "0"))
-        env_choice("PAGELLM_CPU_BLAS", ("openblas", "torch"))
-        if env_choice("PAGELLM_CPU_KERNELS", ("1", "0")) == "0":
+        if _switch("PAGELLM_CPU_KERNELS") == "0":
             return False
         from pagellm.kernels import cpu_kernels
 
@@ -195,7 +197,7 @@ class CpuPlatform(Platform):
 
     @property
     def openblas_gemm(self) -> bool:
-        if not self.native_kernels or env_choice("PAGELLM_CPU_BLAS", ("openblas", "torch")) == "torch":
+        if not self.native_kernels or _switch("PAGELLM_CPU_BLAS") == "torch":
             return False
         from pagellm.kernels import blas
 
@@ -243,7 +245,7 @@ class CpuPlatform(Platform):
     def amx_tiles(self) -> bool:
         """Whether the CPU has AMX-BF16, the kernel build its tile path, and Linux granted this process the tile
         state (kernels/amx.py); PAGELLM_CPU_AMX=0 switches the AMX products off (oneDNN's bf16 path instead)."""
-        if "amx_bf16" not in self.isa or not self.native_kernels or not _amx_switched_on():
+        if "amx_bf16" not in self.isa or not self.native_kernels or _switch("PAGELLM_CPU_AMX") == "0":
             return False
         from pagellm.kernels import amx
 
@@ -254,7 +256,7 @@ class CpuPlatform(Platform):
         """Whether many-row products over tile-order blocks can run on AVX-512 BF16 vdpbf16ps (the kernel build
         has the path: kernels/amx.py bf16dp_ready), for CPUs without AMX tiles; PAGELLM_CPU_AMX=0 switches them off
         too (oneDNN's bf16 path)."""
-        if "avx512_bf16" not in self.isa or not self.native_kernels or not _amx_switched_on():
+        if "avx512_bf16" not in self.isa or not self.native_kernels or _switch("PAGELLM_CPU_AMX") == "0":
             return False
         from pagellm.kernels import amx
 
