@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -156,7 +157,7 @@ inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int
     for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
         const __m256 w = _mm256_set1_ps(scaled_weight(p[i], v + off, a.D, d0));
         for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + off + 8 * c), acc[c]);
-    }, v);
+    }, head_rows_ahead<T>(a, v, nullptr));
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv_sum)));
 }
 
@@ -170,7 +171,7 @@ inline void weighted_values16(const AttentionArgs<T>& a, const int64_t* table, i
     for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
         const __m512 w = _mm512_set1_ps(scaled_weight(p[i], v + off, a.D, 0));
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + off + 16 * c), acc[c]);
-    }, v);
+    }, head_rows_ahead<T>(a, v, nullptr));
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));
 }
 
@@ -225,11 +226,12 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
         batch_start += filled;
         filled = 0;
     };
-    if (!int8_vnni_scores<1>(a, h, &scores)) {  // the grouped path's scores for one head (the same bits)
+    const Ahead<T> ahead = head_rows_ahead(a, keys, a.kv + a.plane + h.kv_off);
+    if (!int8_vnni_scores<1>(a, h, &scores, ahead)) {  // the grouped path's scores for one head (the same bits)
         for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
             k[filled++] = keys + off;
             if (filled == 4) flush();
-        }, keys, a.kv + a.plane + h.kv_off);
+        }, ahead);
         if (filled) flush();
     }
     const float inv_sum = softmax_in_place(scores, n);
@@ -305,6 +307,7 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
 #else
     const bool grouped = false;
 #endif
+    std::atomic<int> next_row{0};
 #pragma omp parallel num_threads(nthreads)
     {
         const int64_t stride = max_keys + 8;
@@ -312,8 +315,14 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
         if (grouped) {
 #ifdef PAGELLM_WIDE_ATTENTION
             if constexpr (loads16<T>()) {
-#pragma omp for schedule(dynamic, 1)
-                for (int t = 0; t < T_; ++t) attend_row_grouped(a, t, scores.data(), stride);
+                // rows handed out as schedule(dynamic, 1) would, each thread claiming its next row as it
+                // starts one, so that the row's later heads can ask for the next row's memory
+                int t = next_row.fetch_add(1);
+                while (t < T_) {
+                    const int n = next_row.fetch_add(1);
+                    attend_row_grouped(a, t, scores.data(), stride, n < T_ ? n : -1);
+                    t = n;
+                }
             }
 #endif
         } else if (by_row) {

@@ -13,7 +13,7 @@ namespace {
 // D a template argument, so that the NG x 4 accumulators stay in registers.
 template <int NG, int D, typename T>
 inline void group_scores(const AttentionArgs<T>& a, const HeadView& h, const T* keys, const float* const* q,
-                         float* const* scores) {
+                         float* const* scores, Ahead<T> ahead) {
     const T* k[4];
     int filled = 0;
     int64_t start = 0;
@@ -52,14 +52,15 @@ inline void group_scores(const AttentionArgs<T>& a, const HeadView& h, const T* 
     for_each_key(a, h.table, h.first, h.pos, [&](int64_t, int64_t off) {
         k[filled++] = keys + off;
         if (filled == 4) flush();
-    }, keys, a.kv + a.plane + h.kv_off);
+    }, ahead);
     if (filled) flush();
 }
 
-// out[g][d0, d0 + 64) = sum_i p[g][i] v_i / sum, for NG heads, each value chunk converted once.
+// out[g][d0, d0 + 64) = sum_i p[g][i] v_i / sum, for NG heads, each value chunk converted once; steps `next`
+// (may be null) once per key.
 template <int NG, typename T>
 inline void group_values(const AttentionArgs<T>& a, const HeadView& h, const T* values, int d0,
-                         float* const* p, const float* inv_sum, float* const* out) {
+                         float* const* p, const float* inv_sum, float* const* out, TokenStream<T>* next) {
     __m512 acc[NG][4];
     for (int g = 0; g < NG; ++g)
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -71,28 +72,35 @@ inline void group_values(const AttentionArgs<T>& a, const HeadView& h, const T* 
             const __m512 w = _mm512_set1_ps(p[g][i] * row);  // scaled_weight's p * scale
             for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
         }
-    }, values);
+    }, Ahead<T>{nullptr, nullptr, 0, next});
     for (int g = 0; g < NG; ++g)
         for (int c = 0; c < 4; ++c)
             _mm512_storeu_ps(out[g] + d0 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
 }
 
-// Query row t, query heads head0 .. head0 + NG - 1 (one KV head's): scores[g] holds room for the row's keys.
+// Query row t, query heads head0 .. head0 + NG - 1 (one KV head's): scores[g] holds room for the row's keys;
+// next (may be null): the next row's tokens, asked for while a later KV head computes.
 template <int NG, typename T>
-void attend_group(const AttentionArgs<T>& a, int t, int head0, float* const* scores) {
+void attend_group(const AttentionArgs<T>& a, int t, int head0, float* const* scores, TokenStream<T>* next) {
     const HeadView h = head_view(a, t, head0);
     const float* q[NG];
     float* out[NG];
     float inv_sum[NG];
     for (int g = 0; g < NG; ++g) q[g] = h.q + (int64_t)g * a.D, out[g] = h.out + (int64_t)g * a.D;
-    if (!int8_vnni_scores<NG>(a, h, scores)) {  // int8 keys on VNNI where the build has it, else here
+    // The first KV head's key walk asks for whole tokens (every KV head's key ahead, value now): a token's
+    // KV heads share cache lines, so the other heads find theirs in cache, and while they compute from it
+    // their walks ask for the next row's tokens (`next`, on many-row steps): memory and compute overlap.
+    Ahead<T> ahead;
+    if (h.kv_off == 0) ahead = {a.kv, a.kv + a.plane, a.stride * (int64_t)sizeof(T)}, next = nullptr;
+    ahead.next = next;
+    if (!int8_vnni_scores<NG>(a, h, scores, ahead)) {  // int8 keys on VNNI where the build has it, else here
         if (a.D == 64)
-            group_scores<NG, 64>(a, h, a.kv + h.kv_off, q, scores);
+            group_scores<NG, 64>(a, h, a.kv + h.kv_off, q, scores, ahead);
         else
-            group_scores<NG, 128>(a, h, a.kv + h.kv_off, q, scores);
+            group_scores<NG, 128>(a, h, a.kv + h.kv_off, q, scores, ahead);
     }
     for (int g = 0; g < NG; ++g) inv_sum[g] = softmax_in_place(scores[g], h.n);
-    for (int d0 = 0; d0 < a.D; d0 += 64) group_values<NG>(a, h, a.kv + a.plane + h.kv_off, d0, scores, inv_sum, out);
+    for (int d0 = 0; d0 < a.D; d0 += 64) group_values<NG>(a, h, a.kv + a.plane + h.kv_off, d0, scores, inv_sum, out, next);
 }
 
 // Whether attend_group takes this format and shape.
@@ -101,17 +109,24 @@ inline bool groups_heads(const AttentionArgs<T>& a) {
     return loads16<T>() && (a.D == 64 || a.D == 128) && a.G > 1;
 }
 
-// All query heads of row t, up to 4 of one KV head at a time.
+// All query heads of row t, up to 4 of one KV head at a time; next_row: the row this thread takes next
+// (-1: none), whose memory the later KV heads' walks ask for.
 template <typename T>
-void attend_row_grouped(const AttentionArgs<T>& a, int t, float* scores, int64_t stride) {
+void attend_row_grouped(const AttentionArgs<T>& a, int t, float* scores, int64_t stride, int next_row) {
     float* s[4] = {scores, scores + stride, scores + 2 * stride, scores + 3 * stride};
+    TokenStream<T> stream;
+    TokenStream<T>* next = nullptr;
+    if (next_row >= 0 && a.prefetch) {
+        const HeadView n = head_view(a, next_row, 0);
+        stream = TokenStream<T>(a, n.table, n.first, n.pos), next = &stream;
+    }
     for (int kv = 0; kv < a.KV; ++kv) {
         for (int h0 = kv * a.G; h0 < (kv + 1) * a.G; h0 += 4) {
             switch (std::min(4, (kv + 1) * a.G - h0)) {
-                case 4: attend_group<4>(a, t, h0, s); break;
-                case 3: attend_group<3>(a, t, h0, s); break;
-                case 2: attend_group<2>(a, t, h0, s); break;
-                default: attend_group<1>(a, t, h0, s); break;
+                case 4: attend_group<4>(a, t, h0, s, next); break;
+                case 3: attend_group<3>(a, t, h0, s, next); break;
+                case 2: attend_group<2>(a, t, h0, s, next); break;
+                default: attend_group<1>(a, t, h0, s, next); break;
             }
         }
     }

@@ -102,7 +102,7 @@ inline void score16(const int8_t* const* k, int filled, const QueryCodes* qc, co
 
 // The scores of NG query heads (h: the first one's view; the others follow it in q) against the row's keys.
 template <int NG, int D>
-inline void scores(const AttentionArgs<int8_t>& a, const HeadView& h, float* const* scores) {
+inline void scores(const AttentionArgs<int8_t>& a, const HeadView& h, float* const* scores, Ahead<int8_t> ahead) {
     QueryCodes qc[NG];
     float qscale[NG];
     for (int g = 0; g < NG; ++g) {
@@ -122,7 +122,7 @@ inline void scores(const AttentionArgs<int8_t>& a, const HeadView& h, float* con
     for_each_key(a, h.table, h.first, h.pos, [&](int64_t, int64_t off) {
         k[filled++] = keys + off;
         if (filled == 16) flush();
-    }, keys, a.kv + a.plane + h.kv_off);
+    }, ahead);
     if (filled) flush();
 }
 
@@ -134,14 +134,14 @@ namespace {
 // Scores NG query heads against int8 keys on VNNI where the build has it and the head size is 64 or 128
 // (true); else leaves them to the caller (false).
 template <int NG, typename T>
-inline bool int8_vnni_scores(const AttentionArgs<T>& a, const HeadView& h, float* const* scores) {
+inline bool int8_vnni_scores(const AttentionArgs<T>& a, const HeadView& h, float* const* scores, Ahead<T> ahead) {
 #ifdef PAGELLM_INT8_VNNI_ATTENTION
     if constexpr (std::is_same_v<T, int8_t>) {
-        if (a.D == 64) return int8_vnni::scores<NG, 64>(a, h, scores), true;
-        if (a.D == 128) return int8_vnni::scores<NG, 128>(a, h, scores), true;
+        if (a.D == 64) return int8_vnni::scores<NG, 64>(a, h, scores, ahead), true;
+        if (a.D == 128) return int8_vnni::scores<NG, 128>(a, h, scores, ahead), true;
     }
 #endif
-    (void)a, (void)h, (void)scores;
+    (void)a, (void)h, (void)scores, (void)ahead;
     return false;
 }
 }  // namespace

@@ -30,17 +30,6 @@ struct AttentionArgs {
 // in turn 1.00-1.04 / 0.96-0.97 / 0.96-1.00 ms at 16 / 32 / 64, in cache 0.55 / 0.54-0.58 / 0.64-0.65.
 constexpr int64_t PREFETCH_KEYS = 32;
 
-// Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0. Given pf (where
-// the walked rows start, K or V) and a.prefetch, it also asks for the key PREFETCH_KEYS further on, through the
-// block table: blocks lie in random order, and the hardware prefetcher loses the stream at every block's end.
-// Many-row steps find their keys in memory, not cache (64 rows x 300 keys over 30 layers' caches: 16-21%
-// faster, benchmarks/NOTES.md, eleventh session); one row's keys stay cached from token to token, where
-// the prefetches cost 3-6%, so few-row steps go without.
-// Given pv too (the keys' walk passes where the same tokens' values start), each key's value row is asked
-// into L2 as its key is reached, so the values' walk that follows the softmax finds its rows in cache,
-// the first ones included (the values' own look-ahead misses its first PREFETCH_KEYS): 64 rows x 300 keys
-// over 30 caches, float16 1.02-1.13 -> 0.80-0.90 ms, int8 0.69-0.78 -> 0.66-0.70; 16 x 1,000 int8
-// 0.55-0.63 -> 0.50-0.54 (Zen 4 VM, microbench_attention.py; benchmarks/NOTES.md, twenty-second session).
 // Every line of a row of `bytes` bytes at p, which may start mid-line (int8 rows: D + 2 bytes); Locality as
 // __builtin_prefetch's: 3 prefetcht0, 2 prefetcht1.
 template <int Locality>
@@ -50,23 +39,80 @@ inline void prefetch_row(const void* p, int64_t bytes) {
     __builtin_prefetch(c + bytes - 1, 0, Locality);  // the last line of an unaligned row
 }
 
+// Another row's tokens, one per step(), every KV head's key and value rows asked into L2: on many-row steps
+// a row's later KV heads compute from cache (the first head's walk fetched whole tokens), and meanwhile ask
+// for the row their thread takes next, which then starts in cache. 64 rows x 400 keys over 30 int8 caches,
+// both builds alternating in one process: 0.74 -> 0.51 ms per cache with the blocks in order, 1.19 -> 0.59
+// in random order (Zen 4 VM; benchmarks/NOTES.md, twenty-fourth session).
+template <typename T>
+struct TokenStream {
+    const T* kv = nullptr;
+    const int64_t* table = nullptr;
+    int64_t j = 0, pos = -1, in = 0, base = 0;  // the next token, the last; its block offset and block start
+
+    TokenStream() = default;
+    TokenStream(const AttentionArgs<T>& a, const int64_t* table_, int64_t first, int64_t pos_)
+        : kv(a.kv), table(table_), j(first), pos(pos_), in(first % a.block_size),
+          base(table_[first / a.block_size] * a.block_size * a.stride) {}
+
+    inline void step(const AttentionArgs<T>& a) {
+        if (j > pos) return;
+        const T* at = kv + base + in * a.stride;
+        prefetch_row<2>(at, a.stride * (int64_t)sizeof(T));
+        prefetch_row<2>(at + a.plane, a.stride * (int64_t)sizeof(T));
+        ++j;
+        if (++in == a.block_size && j <= pos) in = 0, base = table[j / a.block_size] * a.block_size * a.stride;
+    }
+};
+
+// What a walk asks for as it goes (on many-row steps, a.prefetch): from `keys`, the rows PREFETCH_KEYS keys
+// on (into L1); from `values`, the current key's rows (into L2), `bytes` of each; `next` stepped once per key.
+template <typename T>
+struct Ahead {
+    const T* keys = nullptr;
+    const T* values = nullptr;
+    int64_t bytes = 0;
+    TokenStream<T>* next = nullptr;
+};
+
+// One KV head's rows: its keys ahead, its values now.
+template <typename T>
+inline Ahead<T> head_rows_ahead(const AttentionArgs<T>& a, const T* keys, const T* values) {
+    return {keys, values, a.row * (int64_t)sizeof(T)};
+}
+
+// Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0. With a.prefetch
+// and ahead.keys (where the walked rows start, K or V, or whole tokens), it also asks for the key
+// PREFETCH_KEYS further on, through the block table (the same offset in the block that many keys on, looked
+// up once per block): blocks lie in any order, and the hardware prefetcher loses the stream at every
+// block's end. Many-row steps find their keys in memory, not cache (64 rows x 300 keys over 30 layers'
+// caches: 16-21% faster, benchmarks/NOTES.md, eleventh session); one row's keys stay cached from token to
+// token, where the prefetches cost 3-6%, so few-row steps go without.
+// With ahead.values too (the keys' walk passes where the same tokens' values start), each key's value row is
+// asked into L2 as its key is reached, so the values' walk that follows the softmax finds its rows in cache,
+// the first ones included: 64 rows x 300 keys over 30 caches, float16 1.02-1.13 -> 0.80-0.90 ms, int8
+// 0.69-0.78 -> 0.66-0.70; 16 x 1,000 int8 0.55-0.63 -> 0.50-0.54 (Zen 4 VM, microbench_attention.py;
+// benchmarks/NOTES.md, twenty-second session).
 template <typename T, typename F>
 inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos, F f,
-                         const T* pf = nullptr, const T* pv = nullptr) {
+                         Ahead<T> ahead = {}) {
     const int bs = a.block_size;
-    const int64_t row_bytes = a.row * (int64_t)sizeof(T);  // int8 rows (D + 2 bytes) may straddle a line more
-    const bool prefetch = a.prefetch && pf != nullptr;
+    const bool prefetch = a.prefetch && ahead.keys != nullptr;
+    const int64_t skip = (PREFETCH_KEYS + bs - 1) / bs;  // blocks: the key that far on sits at the same offset
     for (int64_t j = first; j <= pos;) {
-        const int64_t b = j / bs;
-        const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
-        int64_t off = (table[b] * bs + j % bs) * a.stride;
-        for (int64_t i = j - first, k = j; i < j - first + count; ++i, ++k, off += a.stride) {
-            if (prefetch && k + PREFETCH_KEYS <= pos) {
-                const int64_t ahead = k + PREFETCH_KEYS;
-                prefetch_row<3>(pf + (table[ahead / bs] * bs + ahead % bs) * a.stride, row_bytes);
+        const int64_t b = j / bs, in = j % bs;
+        const int64_t count = std::min<int64_t>(bs - in, pos + 1 - j);
+        int64_t off = (table[b] * bs + in) * a.stride;
+        // keys j + skip * bs .. pos, looked up once per block (no division per key)
+        const int64_t ahead_count = prefetch ? std::min<int64_t>(count, pos + 1 - j - skip * bs) : 0;
+        const T* next = ahead_count > 0 ? ahead.keys + (table[b + skip] * bs + in) * a.stride : nullptr;
+        for (int64_t i = 0; i < count; ++i, off += a.stride) {
+            if (prefetch) {
+                if (i < ahead_count) prefetch_row<3>(next + i * a.stride, ahead.bytes);
+                if (ahead.values != nullptr) prefetch_row<2>(ahead.values + off, ahead.bytes);  // L2: values outgrow L1
             }
-            if (prefetch && pv != nullptr) prefetch_row<2>(pv + off, row_bytes);  // L2: a row's values outgrow L1
-            f(i, off);
+            if (ahead.next != nullptr) ahead.next->step(a);
+            f(j - first + i, off);
         }
         j += count;
     }
