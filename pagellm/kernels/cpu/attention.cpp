@@ -151,13 +151,13 @@ inline float scaled_weight(float p, const T* v, int D, int d0) {
 
 template <int NC, typename T>
 inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
-                            const float* p, const T* v, float inv_sum, float* o, int d0) {
+                            const float* p, const T* v, float inv_sum, float* o, int d0, Ahead<T> ahead) {
     __m256 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
     for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
         const __m256 w = _mm256_set1_ps(scaled_weight(p[i], v + off, a.D, d0));
         for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + off + 8 * c), acc[c]);
-    }, head_rows_ahead<T>(a, v, nullptr));
+    }, ahead);
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv_sum)));
 }
 
@@ -165,35 +165,37 @@ inline void weighted_values(const AttentionArgs<T>& a, const int64_t* table, int
 // weighted_values 16 lanes at a time: o[0, 16 * NC), float32, float16 and int8 caches (v: the rows' starts).
 template <int NC, typename T>
 inline void weighted_values16(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
-                              const float* p, const T* v, float inv_sum, float* o) {
+                              const float* p, const T* v, float inv_sum, float* o, Ahead<T> ahead) {
     __m512 acc[NC];
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
     for_each_key(a, table, first, pos, [&](int64_t i, int64_t off) {
         const __m512 w = _mm512_set1_ps(scaled_weight(p[i], v + off, a.D, 0));
         for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(w, load16(v + off + 16 * c), acc[c]);
-    }, head_rows_ahead<T>(a, v, nullptr));
+    }, ahead);
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));
 }
 
 // True when it wrote o (the format and D allow 16 lanes).
 template <typename T>
 inline bool weighted_values_wide(const AttentionArgs<T>& a, const int64_t* table, int64_t first, int64_t pos,
-                                 const float* p, const T* v, float inv_sum, float* o) {
+                                 const float* p, const T* v, float inv_sum, float* o, Ahead<T> ahead) {
     if constexpr (!loads16<T>()) {
         return false;
     } else {
         switch (a.D) {  // the common head sizes; others take the 8-lane loop
-            case 64: weighted_values16<4>(a, table, first, pos, p, v, inv_sum, o); return true;
-            case 128: weighted_values16<8>(a, table, first, pos, p, v, inv_sum, o); return true;
+            case 64: weighted_values16<4>(a, table, first, pos, p, v, inv_sum, o, ahead); return true;
+            case 128: weighted_values16<8>(a, table, first, pos, p, v, inv_sum, o, ahead); return true;
             default: return false;
         }
     }
 }
 #endif
 
-// Query row t, query head `head` (of KV head head / G): scores, softmax, weighted values. D % 8 == 0.
+// Query row t, query head `head` (of KV head head / G): scores, softmax, weighted values. D % 8 == 0. On
+// many-row steps (a.prefetch) the row's first head fetches whole tokens, the other heads of its KV head find
+// them in cache, and the later KV heads' walks step `next` (may be null), as attend_group's.
 template <typename T>
-void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
+void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores, TokenStream<T>* next) {
     const int D = a.D;
     const HeadView h = head_view(a, t, head);
     const int64_t* table = h.table;
@@ -226,7 +228,9 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
         batch_start += filled;
         filled = 0;
     };
-    const Ahead<T> ahead = head_rows_ahead(a, keys, a.kv + a.plane + h.kv_off);
+    Ahead<T> ahead, va;  // the keys' walk, the values' (the few-row walks ask for nothing: a.prefetch false)
+    if (head == 0) ahead = {a.kv, a.kv + a.plane, a.stride * (int64_t)sizeof(T)};
+    if (head >= a.G) ahead.next = va.next = next;
     if (!int8_vnni_scores<1>(a, h, &scores, ahead)) {  // the grouped path's scores for one head (the same bits)
         for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
             k[filled++] = keys + off;
@@ -238,18 +242,18 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
     const T* values = a.kv + a.plane + h.kv_off;
     float* o = h.out;
 #ifdef PAGELLM_WIDE_ATTENTION
-    if (weighted_values_wide(a, table, first, pos, scores, values, inv_sum, o)) return;
+    if (weighted_values_wide(a, table, first, pos, scores, values, inv_sum, o, va)) return;
 #endif
     for (int d0 = 0; d0 < D; d0 += 64) {  // up to 8 accumulators (64 dims) at a time
         switch (std::min(8, (D - d0) / 8)) {
-            case 8: weighted_values<8>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
-            case 7: weighted_values<7>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
-            case 6: weighted_values<6>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
-            case 5: weighted_values<5>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
-            case 4: weighted_values<4>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
-            case 3: weighted_values<3>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
-            case 2: weighted_values<2>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
-            default: weighted_values<1>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0); break;
+            case 8: weighted_values<8>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0, va); break;
+            case 7: weighted_values<7>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0, va); break;
+            case 6: weighted_values<6>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0, va); break;
+            case 5: weighted_values<5>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0, va); break;
+            case 4: weighted_values<4>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0, va); break;
+            case 3: weighted_values<3>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0, va); break;
+            case 2: weighted_values<2>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0, va); break;
+            default: weighted_values<1>(a, table, first, pos, scores, values + d0, inv_sum, o + d0, d0, va); break;
         }
     }
 }
@@ -268,7 +272,7 @@ inline float dot_row(const float* q, const T* k, int D) {
 }
 
 template <typename T>
-void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores) {
+void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores, TokenStream<T>*) {
     const int D = a.D;
     const HeadView h = head_view(a, t, head);
     float mx = -INFINITY;
@@ -326,13 +330,21 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
             }
 #endif
         } else if (by_row) {
-#pragma omp for schedule(dynamic, 1)
-            for (int t = 0; t < T_; ++t)
-                for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data());
+            int t = next_row.fetch_add(1);  // as the grouped rows
+            while (t < T_) {
+                const int n = next_row.fetch_add(1);
+                TokenStream<T> stream;
+                if (n < T_) {
+                    const HeadView v = head_view(a, n, 0);
+                    stream = TokenStream<T>(a, v.table, v.first, v.pos);
+                }
+                for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data(), n < T_ ? &stream : nullptr);
+                t = n;
+            }
         } else {
 #pragma omp for schedule(dynamic, 1) collapse(2)
             for (int t = 0; t < T_; ++t)
-                for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data());
+                for (int h = 0; h < a.H; ++h) attend_head<T>(a, t, h, scores.data(), nullptr);
         }
     }
 }

@@ -100,7 +100,8 @@ void attend_group(const AttentionArgs<T>& a, int t, int head0, float* const* sco
             group_scores<NG, 128>(a, h, a.kv + h.kv_off, q, scores, ahead);
     }
     for (int g = 0; g < NG; ++g) inv_sum[g] = softmax_in_place(scores[g], h.n);
-    for (int d0 = 0; d0 < a.D; d0 += 64) group_values<NG>(a, h, a.kv + a.plane + h.kv_off, d0, scores, inv_sum, out, next);
+    for (int d0 = 0; d0 < a.D; d0 += 64)
+        group_values<NG>(a, h, a.kv + a.plane + h.kv_off, d0, scores, inv_sum, out, next);
 }
 
 // Whether attend_group takes this format and shape.

@@ -75,12 +75,6 @@ struct Ahead {
     TokenStream<T>* next = nullptr;
 };
 
-// One KV head's rows: its keys ahead, its values now.
-template <typename T>
-inline Ahead<T> head_rows_ahead(const AttentionArgs<T>& a, const T* keys, const T* values) {
-    return {keys, values, a.row * (int64_t)sizeof(T)};
-}
-
 // Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0. With a.prefetch
 // and ahead.keys (where the walked rows start, K or V, or whole tokens), it also asks for the key
 // PREFETCH_KEYS further on, through the block table (the same offset in the block that many keys on, looked
