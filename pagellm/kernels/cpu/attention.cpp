@@ -191,9 +191,8 @@ inline bool weighted_values_wide(const AttentionArgs<T>& a, const int64_t* table
 }
 #endif
 
-// Query row t, query head `head` (of KV head head / G): scores, softmax, weighted values. D % 8 == 0. On
-// many-row steps (a.prefetch) the row's first head fetches whole tokens, the other heads of its KV head find
-// them in cache, and the later KV heads' walks step `next` (may be null), as attend_group's.
+// Query row t, query head `head` (of KV head head / G): scores, softmax, weighted values. D % 8 == 0. What its
+// walks ask for: walk_plan (next: the next row's tokens, may be null).
 template <typename T>
 void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores, TokenStream<T>* next) {
     const int D = a.D;
@@ -228,9 +227,8 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores, Toke
         batch_start += filled;
         filled = 0;
     };
-    Ahead<T> ahead, va;  // the keys' walk, the values' (the few-row walks ask for nothing: a.prefetch false)
-    if (head == 0) ahead = {a.kv, a.kv + a.plane, a.stride * (int64_t)sizeof(T)};
-    if (head >= a.G) ahead.next = va.next = next;
+    const WalkPlan<T> plan = walk_plan(a, h, head == 0, next);
+    const Ahead<T> ahead = plan.keys, va = plan.values;
     if (!int8_vnni_scores<1>(a, h, &scores, ahead)) {  // the grouped path's scores for one head (the same bits)
         for_each_key(a, table, first, pos, [&](int64_t, int64_t off) {
             k[filled++] = keys + off;
@@ -334,11 +332,12 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
             while (t < T_) {
                 const int n = next_row.fetch_add(1);
                 TokenStream<T> stream;
+                TokenStream<T>* next = nullptr;
                 if (n < T_) {
                     const HeadView v = head_view(a, n, 0);
-                    stream = TokenStream<T>(a, v.table, v.first, v.pos);
+                    if (fetched_whole(a, v.n)) stream = TokenStream<T>(a, v.table, v.first, v.pos), next = &stream;
                 }
-                for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data(), n < T_ ? &stream : nullptr);
+                for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data(), next);
                 t = n;
             }
         } else {

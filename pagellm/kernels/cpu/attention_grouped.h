@@ -56,11 +56,11 @@ inline void group_scores(const AttentionArgs<T>& a, const HeadView& h, const T* 
     if (filled) flush();
 }
 
-// out[g][d0, d0 + 64) = sum_i p[g][i] v_i / sum, for NG heads, each value chunk converted once; steps `next`
-// (may be null) once per key.
+// out[g][d0, d0 + 64) = sum_i p[g][i] v_i / sum, for NG heads, each value chunk converted once; the walk asks
+// for what `ahead` says (walk_plan).
 template <int NG, typename T>
 inline void group_values(const AttentionArgs<T>& a, const HeadView& h, const T* values, int d0,
-                         float* const* p, const float* inv_sum, float* const* out, TokenStream<T>* next) {
+                         float* const* p, const float* inv_sum, float* const* out, Ahead<T> ahead) {
     __m512 acc[NG][4];
     for (int g = 0; g < NG; ++g)
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -72,7 +72,7 @@ inline void group_values(const AttentionArgs<T>& a, const HeadView& h, const T* 
             const __m512 w = _mm512_set1_ps(p[g][i] * row);  // scaled_weight's p * scale
             for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
         }
-    }, Ahead<T>{nullptr, nullptr, 0, next});
+    }, ahead);
     for (int g = 0; g < NG; ++g)
         for (int c = 0; c < 4; ++c)
             _mm512_storeu_ps(out[g] + d0 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])));
@@ -87,12 +87,9 @@ void attend_group(const AttentionArgs<T>& a, int t, int head0, float* const* sco
     float* out[NG];
     float inv_sum[NG];
     for (int g = 0; g < NG; ++g) q[g] = h.q + (int64_t)g * a.D, out[g] = h.out + (int64_t)g * a.D;
-    // The first KV head's key walk asks for whole tokens (every KV head's key ahead, value now): a token's
-    // KV heads share cache lines, so the other heads find theirs in cache, and while they compute from it
-    // their walks ask for the next row's tokens (`next`, on many-row steps): memory and compute overlap.
-    Ahead<T> ahead;
-    if (h.kv_off == 0) ahead = {a.kv, a.kv + a.plane, a.stride * (int64_t)sizeof(T)}, next = nullptr;
-    ahead.next = next;
+    // the first KV head fetches whole tokens, the later ones ask for the next row meanwhile (walk_plan)
+    const WalkPlan<T> plan = walk_plan(a, h, h.kv_off == 0, next);
+    const Ahead<T> ahead = plan.keys;
     if (!int8_vnni_scores<NG>(a, h, scores, ahead)) {  // int8 keys on VNNI where the build has it, else here
         if (a.D == 64)
             group_scores<NG, 64>(a, h, a.kv + h.kv_off, q, scores, ahead);
@@ -101,7 +98,7 @@ void attend_group(const AttentionArgs<T>& a, int t, int head0, float* const* sco
     }
     for (int g = 0; g < NG; ++g) inv_sum[g] = softmax_in_place(scores[g], h.n);
     for (int d0 = 0; d0 < a.D; d0 += 64)
-        group_values<NG>(a, h, a.kv + a.plane + h.kv_off, d0, scores, inv_sum, out, next);
+        group_values<NG>(a, h, a.kv + a.plane + h.kv_off, d0, scores, inv_sum, out, plan.values);
 }
 
 // Whether attend_group takes this format and shape.
@@ -119,7 +116,7 @@ void attend_row_grouped(const AttentionArgs<T>& a, int t, float* scores, int64_t
     TokenStream<T>* next = nullptr;
     if (next_row >= 0 && a.prefetch) {
         const HeadView n = head_view(a, next_row, 0);
-        stream = TokenStream<T>(a, n.table, n.first, n.pos), next = &stream;
+        if (fetched_whole(a, n.n)) stream = TokenStream<T>(a, n.table, n.first, n.pos), next = &stream;
     }
     for (int kv = 0; kv < a.KV; ++kv) {
         for (int h0 = kv * a.G; h0 < (kv + 1) * a.G; h0 += 4) {

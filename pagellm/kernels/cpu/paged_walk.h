@@ -75,6 +75,48 @@ struct Ahead {
     TokenStream<T>* next = nullptr;
 };
 
+// What one (query row, query head) pair attends: its request's block table, keys first..pos (n of
+// them), its query vector, the KV head's offset within a token, and its output row.
+struct HeadView {
+    const int64_t* table;
+    int64_t pos, first, n;
+    const float* q;
+    int64_t kv_off;
+    float* out;
+};
+
+// The most K and V bytes of a row that its first KV head fetches for all of them (whole tokens): past it (long
+// rows of large models, beyond the L3 cache) each head asks for its own rows as it walks them.
+constexpr int64_t WHOLE_ROW_BYTES = 4 << 20;
+
+template <typename T>
+inline bool fetched_whole(const AttentionArgs<T>& a, int64_t keys) {
+    return keys * a.stride * (int64_t)sizeof(T) * 2 <= WHOLE_ROW_BYTES;
+}
+
+// What the keys' and the values' walks of one (row, head) ask for on many-row steps (a.prefetch; nothing
+// otherwise). A row that fetched_whole: its first head (first) fetches whole tokens, every KV head's key ahead
+// and value now (a token's KV heads share cache lines); the other heads of KV head 0 find theirs in cache;
+// the later KV heads' walks, computing from cache, step `next` (may be null): the next row's tokens. A
+// longer row: each head its own keys ahead and values now, and its values ahead on the values' walk.
+template <typename T>
+struct WalkPlan {
+    Ahead<T> keys, values;
+};
+
+template <typename T>
+inline WalkPlan<T> walk_plan(const AttentionArgs<T>& a, const HeadView& h, bool first, TokenStream<T>* next) {
+    if (!a.prefetch) return {};
+    if (!fetched_whole(a, h.n)) {
+        const T* k = a.kv + h.kv_off;
+        const int64_t bytes = a.row * (int64_t)sizeof(T);
+        return {{k, k + a.plane, bytes}, {k + a.plane, nullptr, bytes}};
+    }
+    if (first) return {{a.kv, a.kv + a.plane, a.stride * (int64_t)sizeof(T)}, {}};
+    if (h.kv_off == 0) return {};
+    return {{nullptr, nullptr, 0, next}, {nullptr, nullptr, 0, next}};
+}
+
 // Walks keys first..pos of a row's blocks, calling f(i, token_offset) with i counted from 0. With a.prefetch
 // and ahead.keys (where the walked rows start, K or V, or whole tokens), it also asks for the key
 // PREFETCH_KEYS further on, through the block table (the same offset in the block that many keys on, looked
@@ -92,6 +134,15 @@ inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_
                          Ahead<T> ahead = {}) {
     const int bs = a.block_size;
     const bool prefetch = a.prefetch && ahead.keys != nullptr;
+    if (!prefetch && ahead.next == nullptr) {  // a loop of its own: the checks below cost few-row walks ~15%
+        for (int64_t j = first; j <= pos;) {
+            const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
+            int64_t off = (table[j / bs] * bs + j % bs) * a.stride;
+            for (int64_t i = j - first; i < j - first + count; ++i, off += a.stride) f(i, off);
+            j += count;
+        }
+        return;
+    }
     const int64_t skip = (PREFETCH_KEYS + bs - 1) / bs;  // blocks: the key that far on sits at the same offset
     for (int64_t j = first; j <= pos;) {
         const int64_t b = j / bs, in = j % bs;
@@ -111,16 +162,6 @@ inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_
         j += count;
     }
 }
-
-// What one (query row, query head) pair attends: its request's block table, keys first..pos (n of
-// them), its query vector, the KV head's offset within a token, and its output row.
-struct HeadView {
-    const int64_t* table;
-    int64_t pos, first, n;
-    const float* q;
-    int64_t kv_off;
-    float* out;
-};
 
 template <typename T>
 inline HeadView head_view(const AttentionArgs<T>& a, int t, int head) {
