@@ -274,6 +274,36 @@ def test_paged_attention_matches_reference(window, kv_dtype):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("kv_heads,heads,window", [(3, 9, None), (1, 4, None), (4, 4, 37), (2, 12, None)])
+def test_many_row_decode_walks_match_reference(block_size, kv_heads, heads, window):
+    """Decode steps of many rows take the walks that ask for memory ahead (whole tokens, each thread's next
+    row, the look-ahead through the block table: kernels/cpu/paged_walk.h): every block size, MQA, MHA, more
+    than 4 query heads per KV head, a sliding window, and one row longer than the whole-token limit
+    (WHOLE_ROW_BYTES: 4 MB of K and V) against the SDPA reference; each row also as one alone (the same bits)."""
+    torch.manual_seed(1)
+    d, lens = 64, [1, 17, 33, 64, 100, 5, 250, 31]
+    if block_size == 256:  # 9,000 keys of float32 K and V (at least 4.6 MB): past the whole-token limit
+        lens[3] = 9000
+    per = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per) + 3
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, d)
+    perm = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(lens), max(per), dtype=torch.long)
+    for i, n in enumerate(per):
+        table[i, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    q = torch.randn(len(lens), heads, d)
+    positions, row_seq = torch.tensor([n - 1 for n in lens]), torch.arange(len(lens))
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), table, list(range(len(lens) + 1)), lens, block_size,
+                             window, row_seq, positions)
+    ref = TorchSdpaReferenceAttention().attend(q, cache, meta, 0.125, range(len(lens)))
+    got = ops.paged_attention(q, cache, table, row_seq, positions, window, 0.125)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for i in (0, 3, 6):  # few-row steps walk without asking ahead
+        alone = ops.paged_attention(q[i:i + 1], cache, table, row_seq[i:i + 1], positions[i:i + 1], window, 0.125)
+        assert torch.equal(alone, got[i:i + 1])
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, F16_KV, torch.int8])
 @pytest.mark.parametrize("kv_heads,heads,d", [(3, 9, 64), (1, 5, 128), (2, 16, 64)])
 def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype, kv_heads, heads, d):

@@ -317,8 +317,9 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
         if (grouped) {
 #ifdef PAGELLM_WIDE_ATTENTION
             if constexpr (loads16<T>()) {
-                // rows handed out as schedule(dynamic, 1) would, each thread claiming its next row as it
-                // starts one, so that the row's later heads can ask for the next row's memory
+                // rows handed out one at a time from a shared counter, each thread claiming its next row as
+                // it starts one (so that the row's later heads can ask for the next row's memory; the tail
+                // may wait up to a row longer than schedule(dynamic, 1) would)
                 int t = next_row.fetch_add(1);
                 while (t < T_) {
                     const int n = next_row.fetch_add(1);

@@ -87,8 +87,8 @@ void attend_group(const AttentionArgs<T>& a, int t, int head0, float* const* sco
     float* out[NG];
     float inv_sum[NG];
     for (int g = 0; g < NG; ++g) q[g] = h.q + (int64_t)g * a.D, out[g] = h.out + (int64_t)g * a.D;
-    // the first KV head fetches whole tokens, the later ones ask for the next row meanwhile (walk_plan)
-    const WalkPlan<T> plan = walk_plan(a, h, h.kv_off == 0, next);
+    // the row's first heads fetch whole tokens, the later KV heads ask for the next row meanwhile (walk_plan)
+    const WalkPlan<T> plan = walk_plan(a, h, head0 == 0, next);
     const Ahead<T> ahead = plan.keys;
     if (!int8_vnni_scores<NG>(a, h, scores, ahead)) {  // int8 keys on VNNI where the build has it, else here
         if (a.D == 64)

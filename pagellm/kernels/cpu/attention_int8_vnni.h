@@ -104,7 +104,8 @@ inline void score16(const int8_t* const* k, int filled, const QueryCodes* qc, co
 // Inlined into its caller by force: called out of line, the few-row walks ran ~15% slower (benchmarks/NOTES.md,
 // twenty-fourth session).
 template <int NG, int D>
-__attribute__((always_inline)) inline void scores(const AttentionArgs<int8_t>& a, const HeadView& h, float* const* scores, Ahead<int8_t> ahead) {
+__attribute__((always_inline)) inline void scores(const AttentionArgs<int8_t>& a, const HeadView& h,
+                                                  float* const* scores, Ahead<int8_t> ahead) {
     QueryCodes qc[NG];
     float qscale[NG];
     for (int g = 0; g < NG; ++g) {

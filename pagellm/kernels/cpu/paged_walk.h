@@ -21,7 +21,7 @@ struct AttentionArgs {
     const int64_t* row_pos;
     float scale;
     float* out;
-    bool prefetch = false;  // ask for each key's next-block successor ahead (for_each_key)
+    bool prefetch = false;  // a many-row step: its walks ask for memory ahead (walk_plan, for_each_key)
 };
 
 // How far ahead (in keys) a many-row walk asks for keys, whatever the block size. On the Xeon VM with 16-token
@@ -86,7 +86,9 @@ struct HeadView {
 };
 
 // The most K and V bytes of a row that its first KV head fetches for all of them (whole tokens): past it (long
-// rows of large models, beyond the L3 cache) each head asks for its own rows as it walks them.
+// rows of large models: a 7B-class model's 2,000-token row is ~32 MB, which the later heads would not find in
+// any cache) each head asks for its own rows as it walks them. Rows of 1.6 MB (4 x 8,000 int8 keys here, past the
+// 1 MB L2) still gained on the Zen 4 VM, from L3.
 constexpr int64_t WHOLE_ROW_BYTES = 4 << 20;
 
 template <typename T>
@@ -143,17 +145,23 @@ inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_
         }
         return;
     }
-    const int64_t skip = (PREFETCH_KEYS + bs - 1) / bs;  // blocks: the key that far on sits at the same offset
+    // The key PREFETCH_KEYS on lies `skip` whole blocks on, `rem` keys further (0 for blocks of up to 32
+    // tokens, every block size being a power of two): in that block or the next. Their starts are looked up
+    // once per block, where the walk reaches them (no division per key).
+    const int64_t skip = PREFETCH_KEYS / bs, rem = PREFETCH_KEYS % bs, last_block = pos / bs;
     for (int64_t j = first; j <= pos;) {
         const int64_t b = j / bs, in = j % bs;
         const int64_t count = std::min<int64_t>(bs - in, pos + 1 - j);
         int64_t off = (table[b] * bs + in) * a.stride;
-        // keys j + skip * bs .. pos, looked up once per block (no division per key)
-        const int64_t ahead_count = prefetch ? std::min<int64_t>(count, pos + 1 - j - skip * bs) : 0;
-        const T* next = ahead_count > 0 ? ahead.keys + (table[b + skip] * bs + in) * a.stride : nullptr;
+        const int64_t ahead_count = prefetch ? std::min<int64_t>(count, pos + 1 - j - PREFETCH_KEYS) : 0;
+        const T* block0 = ahead_count > 0 ? ahead.keys + table[b + skip] * bs * a.stride : nullptr;
+        const T* block1 = ahead_count > 0 && rem && b + skip + 1 <= last_block
+                              ? ahead.keys + table[b + skip + 1] * bs * a.stride : nullptr;
         for (int64_t i = 0; i < count; ++i, off += a.stride) {
             if (prefetch) {
-                if (i < ahead_count) prefetch_row<3>(next + i * a.stride, ahead.bytes);
+                const int64_t at = in + i + rem;  // the ahead key's offset from block b + skip's start
+                if (i < ahead_count)
+                    prefetch_row<3>(at < bs ? block0 + at * a.stride : block1 + (at - bs) * a.stride, ahead.bytes);
                 if (ahead.values != nullptr) prefetch_row<2>(ahead.values + off, ahead.bytes);  // L2: values outgrow L1
             }
             if (ahead.next != nullptr) ahead.next->step(a);
