@@ -279,8 +279,9 @@ def test_paged_attention_matches_reference(window, kv_dtype):
 def test_many_row_decode_walks_match_reference(block_size, kv_heads, heads, window):
     """Decode steps of many rows take the walks that ask for memory ahead (whole tokens, each thread's next
     row, the look-ahead through the block table: kernels/cpu/paged_walk.h): every block size, MQA, MHA, more
-    than 4 query heads per KV head, a sliding window, and one row longer than the whole-token limit
-    (WHOLE_ROW_BYTES: 4 MB of K and V) against the SDPA reference; each row also as one alone (the same bits)."""
+    than 4 query heads per KV head, a sliding window, and (256-token blocks) a step whose longest row is past
+    the whole-token limit (WHOLE_ROW_BYTES: 512 KB of K and V), which walks head by head; against the SDPA
+    reference, and each row also as one alone (the same bits)."""
     torch.manual_seed(1)
     d, lens = 64, [1, 17, 33, 64, 100, 5, 250, 31]
     if block_size == 256:  # 9,000 keys of float32 K and V (at least 4.6 MB): past the whole-token limit

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -304,6 +303,7 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
     // the other threads would idle.
     const bool by_row = T_ >= 2 * nthreads;
     a.prefetch = by_row;
+    a.whole_tokens = by_row && max_keys * a.stride * (int64_t)sizeof(T) * 2 <= WHOLE_ROW_BYTES;
 #ifdef PAGELLM_WIDE_ATTENTION
     const bool grouped = by_row && groups_heads(a);  // a row's heads of one KV head share each key's loads
 #else
@@ -317,30 +317,15 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
         if (grouped) {
 #ifdef PAGELLM_WIDE_ATTENTION
             if constexpr (loads16<T>()) {
-                // rows handed out one at a time from a shared counter, each thread claiming its next row as
-                // it starts one (so that the row's later heads can ask for the next row's memory; the tail
-                // may wait up to a row longer than schedule(dynamic, 1) would)
-                int t = next_row.fetch_add(1);
-                while (t < T_) {
-                    const int n = next_row.fetch_add(1);
-                    attend_row_grouped(a, t, scores.data(), stride, n < T_ ? n : -1);
-                    t = n;
-                }
+                for_each_row(a, T_, next_row, [&](int t, TokenStream<T>* next) {
+                    attend_row_grouped(a, t, scores.data(), stride, next);
+                });
             }
 #endif
         } else if (by_row) {
-            int t = next_row.fetch_add(1);  // as the grouped rows
-            while (t < T_) {
-                const int n = next_row.fetch_add(1);
-                TokenStream<T> stream;
-                TokenStream<T>* next = nullptr;
-                if (n < T_) {
-                    const HeadView v = head_view(a, n, 0);
-                    if (fetched_whole(a, v.n)) stream = TokenStream<T>(a, v.table, v.first, v.pos), next = &stream;
-                }
+            for_each_row(a, T_, next_row, [&](int t, TokenStream<T>* next) {
                 for (int h = 0; h < a.H; ++h) attend_head(a, t, h, scores.data(), next);
-                t = n;
-            }
+            });
         } else {
 #pragma omp for schedule(dynamic, 1) collapse(2)
             for (int t = 0; t < T_; ++t)

@@ -107,17 +107,11 @@ inline bool groups_heads(const AttentionArgs<T>& a) {
     return loads16<T>() && (a.D == 64 || a.D == 128) && a.G > 1;
 }
 
-// All query heads of row t, up to 4 of one KV head at a time; next_row: the row this thread takes next
-// (-1: none), whose memory the later KV heads' walks ask for.
+// All query heads of row t, up to 4 of one KV head at a time; next (may be null): the tokens of the row this
+// thread takes next, which the later KV heads' walks ask for.
 template <typename T>
-void attend_row_grouped(const AttentionArgs<T>& a, int t, float* scores, int64_t stride, int next_row) {
+void attend_row_grouped(const AttentionArgs<T>& a, int t, float* scores, int64_t stride, TokenStream<T>* next) {
     float* s[4] = {scores, scores + stride, scores + 2 * stride, scores + 3 * stride};
-    TokenStream<T> stream;
-    TokenStream<T>* next = nullptr;
-    if (next_row >= 0 && a.prefetch) {
-        const HeadView n = head_view(a, next_row, 0);
-        if (fetched_whole(a, n.n)) stream = TokenStream<T>(a, n.table, n.first, n.pos), next = &stream;
-    }
     for (int kv = 0; kv < a.KV; ++kv) {
         for (int h0 = kv * a.G; h0 < (kv + 1) * a.G; h0 += 4) {
             switch (std::min(4, (kv + 1) * a.G - h0)) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace {
@@ -22,6 +23,7 @@ struct AttentionArgs {
     float scale;
     float* out;
     bool prefetch = false;  // a many-row step: its walks ask for memory ahead (walk_plan, for_each_key)
+    bool whole_tokens = false;  // ... by whole tokens, and each thread for its next row (WHOLE_ROW_BYTES)
 };
 
 // How far ahead (in keys) a many-row walk asks for keys, whatever the block size. On the Xeon VM with 16-token
@@ -46,18 +48,17 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 // in random order (Zen 4 VM; benchmarks/NOTES.md, twenty-fourth session).
 template <typename T>
 struct TokenStream {
-    const T* kv = nullptr;
     const int64_t* table = nullptr;
     int64_t j = 0, pos = -1, in = 0, base = 0;  // the next token, the last; its block offset and block start
 
     TokenStream() = default;
     TokenStream(const AttentionArgs<T>& a, const int64_t* table_, int64_t first, int64_t pos_)
-        : kv(a.kv), table(table_), j(first), pos(pos_), in(first % a.block_size),
+        : table(table_), j(first), pos(pos_), in(first % a.block_size),
           base(table_[first / a.block_size] * a.block_size * a.stride) {}
 
     inline void step(const AttentionArgs<T>& a) {
         if (j > pos) return;
-        const T* at = kv + base + in * a.stride;
+        const T* at = a.kv + base + in * a.stride;
         prefetch_row<2>(at, a.stride * (int64_t)sizeof(T));
         prefetch_row<2>(at + a.plane, a.stride * (int64_t)sizeof(T));
         ++j;
@@ -85,19 +86,15 @@ struct HeadView {
     float* out;
 };
 
-// The most K and V bytes of a row that its first KV head fetches for all of them (whole tokens): past it (long
-// rows of large models: a 7B-class model's 2,000-token row is ~32 MB, which the later heads would not find in
-// any cache) each head asks for its own rows as it walks them. Rows of 1.6 MB (4 x 8,000 int8 keys here, past the
-// 1 MB L2) still gained on the Zen 4 VM, from L3.
-constexpr int64_t WHOLE_ROW_BYTES = 4 << 20;
-
-template <typename T>
-inline bool fetched_whole(const AttentionArgs<T>& a, int64_t keys) {
-    return keys * a.stride * (int64_t)sizeof(T) * 2 <= WHOLE_ROW_BYTES;
-}
+// The most K and V bytes of a step's longest row for its walks to go by whole tokens (a.whole_tokens): the
+// row's first head fetches them, and each thread asks for its next row while the later heads compute from
+// cache. Past it, each head asks for its own rows as it walks them and rows go out as schedule(dynamic, 1)
+// hands them: on the Zen 4 VM (1 MB L2) float16 rows of 0.4-2.3 MB and int8 rows of 3 MB ran 8-25% slower by
+// whole tokens than before (microbench_attention_ab.py; benchmarks/NOTES.md, twenty-fourth session).
+constexpr int64_t WHOLE_ROW_BYTES = 512 << 10;
 
 // What the keys' and the values' walks of one (row, head) ask for on many-row steps (a.prefetch; nothing
-// otherwise). A row that fetched_whole: its first head (first) fetches whole tokens, every KV head's key ahead
+// otherwise). By whole tokens (a.whole_tokens): its first head (first) fetches whole tokens, every KV head's key ahead
 // and value now (a token's KV heads share cache lines); the other heads of KV head 0 find theirs in cache;
 // the later KV heads' walks, computing from cache, step `next` (may be null): the next row's tokens. A
 // longer row: each head its own keys ahead and values now, and its values ahead on the values' walk.
@@ -109,7 +106,7 @@ struct WalkPlan {
 template <typename T>
 inline WalkPlan<T> walk_plan(const AttentionArgs<T>& a, const HeadView& h, bool first, TokenStream<T>* next) {
     if (!a.prefetch) return {};
-    if (!fetched_whole(a, h.n)) {
+    if (!a.whole_tokens) {
         const T* k = a.kv + h.kv_off;
         const int64_t bytes = a.row * (int64_t)sizeof(T);
         return {{k, k + a.plane, bytes}, {k + a.plane, nullptr, bytes}};
@@ -136,7 +133,7 @@ inline void for_each_key(const AttentionArgs<T>& a, const int64_t* table, int64_
                          Ahead<T> ahead = {}) {
     const int bs = a.block_size;
     const bool prefetch = a.prefetch && ahead.keys != nullptr;
-    if (!prefetch && ahead.next == nullptr) {  // a loop of its own: the checks below cost few-row walks ~15%
+    if (!prefetch && ahead.next == nullptr) {  // walks that ask for nothing (few-row steps): the plain loop
         for (int64_t j = first; j <= pos;) {
             const int64_t count = std::min<int64_t>(bs - j % bs, pos + 1 - j);
             int64_t off = (table[j / bs] * bs + j % bs) * a.stride;
@@ -178,6 +175,30 @@ inline HeadView head_view(const AttentionArgs<T>& a, int t, int head) {
     return {a.block_tables + a.row_seq[t] * a.table_stride, pos, first, pos + 1 - first,
             a.q + t * a.ldq + (int64_t)head * a.D, (int64_t)(head / a.G) * a.row,
             a.out + ((int64_t)t * a.H + head) * a.D};
+}
+
+// A many-row step's rows 0..T-1 across the threads of the enclosing parallel region: attend(t, next). By whole
+// tokens, each thread claims its next row from `counter` as it starts one, and `next` streams that row's
+// tokens (null: none; the tail may wait up to a row longer than schedule(dynamic, 1) would); else
+// schedule(dynamic, 1) and next null.
+template <typename T, typename F>
+inline void for_each_row(const AttentionArgs<T>& a, int T_, std::atomic<int>& counter, F attend) {
+    if (!a.whole_tokens) {
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < T_; ++t) attend(t, static_cast<TokenStream<T>*>(nullptr));
+        return;
+    }
+    int t = counter.fetch_add(1);
+    while (t < T_) {
+        const int n = counter.fetch_add(1);
+        TokenStream<T> stream;
+        if (n < T_) {
+            const HeadView v = head_view(a, n, 0);
+            stream = TokenStream<T>(a, v.table, v.first, v.pos);
+        }
+        attend(t, n < T_ ? &stream : nullptr);
+        t = n;
+    }
 }
 
 }  // namespace
