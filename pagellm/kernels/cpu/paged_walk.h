@@ -43,9 +43,9 @@ inline void prefetch_row(const void* p, int64_t bytes) {
 
 // Another row's tokens, one per step(), every KV head's key and value rows asked into L2: on many-row steps
 // a row's later KV heads compute from cache (the first head's walk fetched whole tokens), and meanwhile ask
-// for the row their thread takes next, which then starts in cache. 64 rows x 400 keys over 30 int8 caches,
-// both builds alternating in one process: 0.74 -> 0.51 ms per cache with the blocks in order, 1.19 -> 0.59
-// in random order (Zen 4 VM; benchmarks/NOTES.md, twenty-fourth session).
+// for the row their thread takes next, which then starts in cache. 64 rows x 300 keys over int8 caches out
+// of L3, both builds alternating in one process: 1.18x with the blocks in order, 1.27x in random order
+// (Zen 4 VM; benchmarks/microbench_attention_ab.py, benchmarks/NOTES.md, twenty-fourth session).
 template <typename T>
 struct TokenStream {
     const int64_t* table = nullptr;
