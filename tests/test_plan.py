@@ -109,3 +109,17 @@ def test_the_engine_sizes_its_cache_with_the_plan_arithmetic():
         rows = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 16  # K and V, every layer and KV head
         assert kv_bytes_per_block(cfg, 16, dtype) == rows * allocated
     assert kv_bytes_per_token(cfg, "float32") == 46080 and kv_bytes_per_token(cfg, "int8") == 11880
+
+
+def test_plan_cli_exit_status_is_the_answer():
+    """0 when the plan fits, 1 when it does not (the whole plan still printed, text or JSON), 2 for bad options."""
+    base = [sys.executable, "-m", "pagellm.cli", "plan", "--model", "llama-3-70b", "--max-model-len", "8192",
+            "--max-num-seqs", "32"]
+    no = subprocess.run([*base, "--gpu", "h100-80gb"], capture_output=True, text=True, timeout=60)
+    assert no.returncode == 1 and "fits: no" in no.stdout and "smallest TP x PP that fits: TP 4 x PP 1" in no.stdout
+    no_json = subprocess.run([*base, "--gpu", "h100-80gb", "--json"], capture_output=True, text=True, timeout=60)
+    assert no_json.returncode == 1 and json.loads(no_json.stdout)["smallest_fitting"] == {"tp": 4, "pp": 1}
+    yes = subprocess.run([*base, "--gpu", "h100-80gb", "--tp", "4"], capture_output=True, text=True, timeout=60)
+    assert yes.returncode == 0 and "fits: yes" in yes.stdout
+    assert subprocess.run([*base, "--gpu", "h100-80gb", "--max-num-seqs", "0"], capture_output=True, text=True,
+                          timeout=60).returncode == 2

@@ -53,7 +53,9 @@ def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="memory plan: weights, KV cache and batch per rank before deploying",
                        description="Plan a deployment's memory without loading weights: weights and KV bytes "
                                    "per rank, KV blocks and tokens that fit, the largest batch at max_model_len, "
-                                   "and whether it fits (or the smallest TP x PP that would).")
+                                   "and whether it fits (or the smallest TP x PP that would). Exit status: 0 "
+                                   "when it fits, 1 when it does not (the plan is printed either way), 2 for "
+                                   "bad options.")
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(sorted(ARCHITECTURES))}), a .gguf file "
                                                   "or a Hugging Face config.json directory")
     p.add_argument("-tp", "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
@@ -106,9 +108,9 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(json.dumps({**result.to_dict(), "device": label,
                           "smallest_fitting": None if smallest is None else {"tp": smallest[0], "pp": smallest[1]}},
                          indent=2))
-        return 0
-    print(format_plan(result, label, smallest))
-    return 0
+    else:
+        print(format_plan(result, label, smallest))
+    return 0 if result.fits else 1  # as diff and grep: scripts can test the answer
 
 
 def format_plan(r: MemoryPlan, label: str, smallest: tuple[int, int] | None) -> str:
