@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+LENGTH_PENALTY_MAX = 10.0  # (2**20 tokens) ** 10 is 2**200: far from float overflow
 _SEED_MIN, _SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -105,6 +106,10 @@ class SamplingParams:
             bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         if not 0.0 < self.repetition_penalty <= 2.0:
             bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        if not -LENGTH_PENALTY_MAX <= self.length_penalty <= LENGTH_PENALTY_MAX:  # NaN fails too
+            # a beam's score divides by length ** length_penalty: past this, float overflow or division by zero
+            # in the engine's step (HF and vLLM users pass 0-2)
+            bad("length_penalty", f"in [-{LENGTH_PENALTY_MAX:g}, {LENGTH_PENALTY_MAX:g}]", self.length_penalty)
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "an integer >= 1", self.max_tokens)
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -160,3 +160,38 @@ def test_seed_out_of_range_is_refused_at_validation():
     SamplingParams(seed=-2**63)
     with pytest.raises(ValueError, match="seed must be"):  # sample i of n is seeded seed + i
         SamplingParams(n=2, seed=2**64 - 1)
+
+
+def test_request_ids_that_look_like_sequence_ids_do_not_collide(make_llm):
+    """A client picks request ids (X-Request-Id): 'zz#1' and 'zz#beam0' beside 'zz' with n = 2 and a beam search
+    on 'b' must stay apart (the engine names sequences after their request: 'zz#1' had been zz's second)."""
+    llm = make_llm()
+    eng = llm.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    two = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    beam = SamplingParams(n=2, use_beam_search=True, max_tokens=6)
+    alone = llm.generate([[5, 6, 7], [8, 9, 10], [11, 12, 13]], [greedy, two, beam], use_tqdm=False)
+    eng.add_request("zz#1", [5, 6, 7], greedy)
+    eng.add_request("b#beam0", [5, 6, 7], greedy)
+    eng.add_request("zz", [8, 9, 10], two)
+    eng.add_request("b", [11, 12, 13], beam)
+    finals = {}
+    for _ in range(200):
+        if not eng.has_unfinished_requests():
+            break
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    assert sorted(finals) == ["b", "b#beam0", "zz", "zz#1"] and all(o.error is None for o in finals.values())
+    assert finals["zz#1"].outputs[0].token_ids == finals["b#beam0"].outputs[0].token_ids == \
+        alone[0].outputs[0].token_ids
+    assert [c.token_ids for c in finals["zz"].outputs] == [c.token_ids for c in alone[1].outputs]
+    assert [c.token_ids for c in finals["b"].outputs] == [c.token_ids for c in alone[2].outputs]
+    _assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("value", [1e308, -1100.0, float("inf"), float("-inf"), float("nan"), 10.5])
+def test_length_penalty_out_of_range_is_refused_at_validation(value):
+    """Beams score sum(logprob) / length ** length_penalty inside the step: 1e308 overflowed and -1100 divided
+    by zero there, failing the engine (and with it every request of the server)."""
+    with pytest.raises(ValueError, match=r"length_penalty must be in \[-10, 10\]"):
+        SamplingParams(n=2, use_beam_search=True, max_tokens=4, length_penalty=value)
+    SamplingParams(n=2, use_beam_search=True, max_tokens=4, length_penalty=-10.0)

@@ -180,7 +180,9 @@ class LLMEngine:
             return request_id
         seqs: list[SequenceState] = []
         for i in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            # Always suffixed, n = 1 too: what follows the last '#' never holds one, so no request's id can equal
+            # another's sequence (a request 'a#1' beside 'a' with n = 2 had shared a scheduler id).
+            seq_id = f"{request_id}#{i}"
             child = params if params.n == 1 else params.child(i)
             req = Request(seq_id, prompt_ids, child, self.eos_token_ids, arrival_time, cache_salt)
             # Siblings fork from the first sequence's prompt blocks instead of prefilling again.
