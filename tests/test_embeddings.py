@@ -4,7 +4,9 @@ block comes back; the official openai client works."""
 
 import asyncio
 import base64
+import functools
 import struct
+import time
 
 import httpx
 import openai
@@ -13,6 +15,7 @@ import torch
 from test_server import Server
 
 from pagellm import LLM
+from pagellm.engine.embedding import JOB_SLICE_S, EngineJobs
 
 # one tiny server and a tiny offline engine; the transformers reference runs in-process
 pytestmark = pytest.mark.timeout(180)
@@ -127,3 +130,31 @@ def test_bad_inputs_are_400_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/embeddings", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def _slow_job(i, engine):
+    time.sleep(JOB_SLICE_S * 0.6)
+    return i
+
+
+def test_jobs_run_between_steps_a_slice_at_a_time():
+    """Many inputs are many jobs: one round between two steps runs those that fit JOB_SLICE_S (at least one), in
+    order, so running requests keep stepping beside a large embeddings request; what a client gave up is
+    dropped before it runs."""
+    async def main():
+        jobs = EngineJobs()
+        futs = [jobs.submit(functools.partial(_slow_job, i)) for i in range(6)]
+        jobs.run(None)
+        await asyncio.sleep(0.01)  # the results are settled through the event loop
+        first = [f.done() for f in futs]
+        futs[-1].cancel()  # its client left
+        rounds = 1
+        while jobs:
+            jobs.run(None)
+            rounds += 1
+            await asyncio.sleep(0.01)
+        return first, rounds, [f.result() for f in futs[:-1]], futs[-1].cancelled()
+
+    first, rounds, results, cancelled = asyncio.run(main())
+    assert first[0] and not all(first) and first == sorted(first, reverse=True), first
+    assert results == [0, 1, 2, 3, 4] and cancelled and rounds >= 3

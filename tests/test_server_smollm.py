@@ -62,6 +62,22 @@ def test_smollm_queue_limit_and_timeout(smol):
 
 
 @pytest.mark.slow
+def test_smollm_embeddings_of_many_inputs_time_out_and_leave_nothing_behind(smol):
+    """--request-timeout holds for /v1/embeddings too, and its inputs not yet embedded are dropped: they run
+    between steps a slice at a time (engine/embedding.py JOB_SLICE_S), not all before the next step, so the
+    next request is answered at once instead of waiting for them (or timing out behind them)."""
+    auth = {"Authorization": "Bearer sekrit"}
+    r = httpx.post(smol.url + "/v1/embeddings", headers=auth, timeout=60,
+                   json={"model": "smol", "input": ["hello " * 400] * 200})  # ~80k tokens: minutes here
+    assert r.status_code == 408 and r.json()["error"]["code"] == "timeout", r.text
+    ok = httpx.post(smol.url + "/v1/completions", headers=auth, timeout=60,
+                    json={"model": "smol", "prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    metrics = smol.metrics()
+    assert metrics["pagellm:kv_cache_usage_perc"] == 0 and metrics["pagellm:num_requests_running"] == 0
+
+
+@pytest.mark.slow
 def test_smollm_sigterm_finishes_streams_and_exits_cleanly(smol):
     body = {"model": "smol", "prompt": "Count:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", smol.url + "/v1/completions", json=body, timeout=30,

@@ -35,7 +35,7 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
-from pagellm.engine.embedding import run_job
+from pagellm.engine.embedding import run_job, within_slice
 from pagellm.engine.engine_core import TRIM_INTERVAL_S, Add, EngineCore, EngineInfo, portable_error
 from pagellm.engine.output_wire import OutputEncoder
 
@@ -149,7 +149,9 @@ class CoreLoop:
         self.compiling = still
 
     def run_jobs(self, engine, results: dict[int, tuple]) -> None:
-        for job_id, job in list(self.jobs.items()):
+        """Jobs in arrival order for about JOB_SLICE_S; the rest after the next step (and the next messages,
+        which may cancel them)."""
+        for job_id, job in within_slice(list(self.jobs.items())):
             outcome = run_job(job, engine)
             if outcome is None:
                 continue  # the KV cache is busy: again after this step

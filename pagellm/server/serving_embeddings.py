@@ -14,7 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
 from pagellm.engine.embedding import embed
-from pagellm.engine.request_stream import EngineStoppedError
+from pagellm.engine.request_stream import EngineStoppedError, RequestTimeoutError
 from pagellm.server.common import ServerContext, admission_error, now_s, unless_disconnected
 from pagellm.server.errors import APIError
 from pagellm.server.fields import Flag, TokenId
@@ -62,11 +62,15 @@ async def create_embedding(body: EmbeddingRequest, request: Request, ctx: Server
                             truncate_prompt_tokens=body.truncate_prompt_tokens)
 
     async def run_all():
-        return await asyncio.gather(*(ctx.engine.run_job(functools.partial(job, prompt=p)) for p in inputs))
+        work = asyncio.gather(*(ctx.engine.run_job(functools.partial(job, prompt=p)) for p in inputs))
+        try:  # --request-timeout as for generation: the jobs not yet run are dropped (cancelled)
+            return await asyncio.wait_for(work, ctx.request_timeout)
+        except TimeoutError:
+            raise RequestTimeoutError(f"request timed out after {ctx.request_timeout:g} s") from None
 
     try:
         results = await unless_disconnected(request, run_all())
-    except (ValueError, EngineStoppedError) as e:
+    except (ValueError, EngineStoppedError, RequestTimeoutError) as e:
         raise admission_error(e, "input") from None
     data = [{"object": "embedding", "index": i, "embedding": _encode(vec, body.encoding_format)}
             for i, (vec, _) in enumerate(results)]
