@@ -178,3 +178,51 @@ def test_concurrent_bad_and_good_requests(server):
     responses = asyncio.run(main())
     assert [r.status_code for r in responses] == [200] * 3 + [400] * 4, [r.text for r in responses]
     assert all(json.loads(r.text)["usage"]["completion_tokens"] == 16 for r in responses[:3])
+
+
+# The twenty-fifth session's probe: two requests that had taken the whole server down, and three gaps.
+def test_a_client_id_shaped_like_a_sequence_id_runs_beside_its_namesake(server):
+    """X-Request-Id 'zz#1' in flight while 'zz' asks for n = 2 (whose second sequence had been named 'cmpl-zz#1'):
+    both finish, and the server goes on."""
+    body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 24, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60,
+                      headers={"X-Request-Id": "zz#1"}) as first:
+        lines = first.iter_lines()
+        next(lines)  # in flight
+        second = httpx.post(server.url + "/v1/completions", json={**body, "n": 2}, timeout=60,
+                            headers={"X-Request-Id": "zz"})
+        events = [ln for ln in lines if ln.startswith("data:")]
+    assert second.status_code == 200 and [c["index"] for c in second.json()["choices"]] == [0, 1]
+    assert events[-1] == "data: [DONE]" and '"error"' not in "".join(events)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("value", ["1e308", "-1100", "-Infinity", "NaN"])
+def test_an_extreme_length_penalty_is_a_400_not_a_dead_engine(server, value):
+    raw = ('{"model": "' + MODEL + '", "prompt": "hi", "max_tokens": 3, "use_beam_search": true, "n": 2, '
+           '"length_penalty": ' + value + '}')
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = _post(http, "/v1/completions", raw)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty", r.text
+        ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2,
+                                                "use_beam_search": True, "length_penalty": 2.0})
+        assert ok.status_code == 200
+
+
+def test_invocations_body_nested_too_deeply_is_a_400(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = _post(http, "/invocations", "[" * 100_000 + "]" * 100_000)
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+
+
+def test_tokenize_caps_messages_as_chat_does(server):
+    r = httpx.post(server.url + "/tokenize", timeout=60,
+                   json={"messages": [{"role": "user", "content": "a"}] * 16385})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_responses_max_output_tokens_past_the_context_is_a_400(server):
+    r = httpx.post(server.url + "/v1/responses", timeout=60,
+                   json={"model": MODEL, "input": "Hi", "max_output_tokens": 10**9})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
+    assert "maximum context length is 1024 tokens" in r.json()["error"]["message"]

@@ -21,6 +21,7 @@ from pagellm.server.middleware import HttpOptions, install_http_guards
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagellm.server.protocol_responses import ResponsesRequest
 from pagellm.server.request_id import RequestIdHeaderMiddleware
+from pagellm.server.request_limits import MAX_MESSAGES, check_list_length
 from pagellm.server.routes_misc import invocations_router, tokenizer_info_router, version_router
 from pagellm.server.serving_chat import create_chat_completion, render_chat
 from pagellm.server.serving_chat_tools import ChatSettings, tokenize_plan
@@ -124,6 +125,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
         raise APIError(400, "send exactly one of prompt or messages", param="prompt")
     if body.prompt is not None and body.chat_only_fields():
         raise APIError(400, f"{body.chat_only_fields()[0]} only applies to messages", param=body.chat_only_fields()[0])
+    check_list_length("messages", body.messages, MAX_MESSAGES)  # rendered as for a chat completion
     # Off the event loop, as for generation: a long prompt must not stall other clients.
     if body.messages is not None:
         ids = await asyncio.to_thread(render_chat, ctx, body.messages, body.add_generation_prompt,

@@ -47,6 +47,8 @@ async def invocations(request: Request):
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # json's C decoder gives up on ~10**5 nested arrays or objects
+        raise APIError(400, "request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     if "messages" in body:
