@@ -66,7 +66,9 @@ def flatten_content(message: dict) -> dict:
         if isinstance(part, str):
             texts.append(part)
         elif isinstance(part, dict) and part.get("type") == "text":
-            texts.append(part.get("text", ""))
+            if not isinstance(part.get("text"), str):  # OpenAI: a 400 for a part without its text
+                raise ValueError(f"a text content part needs a string 'text', got {part.get('text')!r}")
+            texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"unsupported message content part of type {kind!r} (only text is supported)")

@@ -226,3 +226,16 @@ def test_responses_max_output_tokens_past_the_context_is_a_400(server):
                    json={"model": MODEL, "input": "Hi", "max_output_tokens": 10**9})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
     assert "maximum context length is 1024 tokens" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("part", [{"type": "text"}, {"type": "text", "text": 5}, {"type": "text", "text": None}])
+def test_a_text_part_without_its_text_is_a_400(server, part):
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2})
+    assert r.status_code == 400 and "text content part" in r.json()["error"]["message"], r.text
+
+
+def test_a_logit_bias_key_is_plain_digits(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"1_000": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"

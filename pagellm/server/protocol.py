@@ -77,10 +77,10 @@ class _SamplingRequest(StructuredOutputFields, _Body):
         if self.logit_bias:
             bias = {}
             for key, value in self.logit_bias.items():
-                try:
-                    bias[int(key)] = value
-                except ValueError:
-                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+                text = key.strip() if isinstance(key, str) else ""
+                if not text.lstrip("-").isdecimal() or not text.isascii():  # int() also takes '1_000', ' 1'
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                bias[int(text)] = value
 
         def given(value, default):
             return default if value is None else value
