@@ -64,6 +64,9 @@ class LocalBackend:
             self.engine.abort_request(rid)  # a no-op once finished; frees the blocks on Ctrl-C
 
 
+READ_TIMEOUT_S = 300.0  # a server silent this long (no byte of a reply or a stream) is given up on
+
+
 class HTTPBackend:
     def __init__(self, url: str, api_key: str | None, model: str | None):
         base = url.rstrip("/")
@@ -77,33 +80,53 @@ class HTTPBackend:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.base + path, data=data, headers=self.headers)
         try:
-            return urllib.request.urlopen(req, timeout=timeout)
+            return urllib.request.urlopen(req, timeout=READ_TIMEOUT_S if timeout is None else timeout)
         except urllib.error.HTTPError as e:
             raise ChatError(f"server answered {e.code}: {_error_message(e.read())}") from None
         except urllib.error.URLError as e:
             raise ChatError(f"cannot reach {self.base}: {e.reason}") from None
+        except OSError as e:  # a timeout (TimeoutError) or a reset before the reply
+            raise ChatError(f"{self.base}{path}: {e or type(e).__name__}") from None
 
     def _first_model(self) -> str:
-        with self._open("/models", timeout=30) as resp:
-            return json.load(resp)["data"][0]["id"]
+        try:
+            with self._open("/models", timeout=min(30.0, READ_TIMEOUT_S)) as resp:
+                listing = json.load(resp)
+        except (OSError, ValueError) as e:  # a timeout while reading; not JSON
+            raise ChatError(f"{self.base}/models did not answer with a model list: {e}") from None
+        models = listing.get("data") if isinstance(listing, dict) else None
+        if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
+            raise ChatError(f"{self.base}/models lists no model: pass --model")
+        return str(models[0]["id"])
 
     def stream(self, messages: list[dict], opts: dict) -> Iterator[str]:
         body = {"model": self.model, "messages": messages, "stream": True, **opts}
-        with self._open("/chat/completions", body) as resp:
-            for raw in resp:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                event = json.loads(data)
-                if "error" in event:
-                    raise ChatError(event["error"].get("message", "server error"))
-                for choice in event.get("choices", []):
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        yield text
+        try:
+            with self._open("/chat/completions", body) as resp:
+                yield from _deltas(resp)
+        except (OSError, ValueError) as e:  # silent past READ_TIMEOUT_S, a reset, an event that is not JSON
+            raise ChatError(f"{self.base}/chat/completions: {e or type(e).__name__}") from None
+
+
+def _deltas(resp) -> Iterator[str]:
+    """The content deltas of an OpenAI chat completion event stream, until [DONE]."""
+    for raw in resp:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if not isinstance(event, dict):
+            raise ValueError(f"unexpected event {data[:100]!r}")
+        if "error" in event:
+            error = event["error"]
+            raise ChatError(error.get("message", "server error") if isinstance(error, dict) else str(error))
+        for choice in event.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content") if isinstance(choice, dict) else None
+            if isinstance(text, str) and text:
+                yield text
 
 
 class ChatError(Exception):

@@ -169,3 +169,58 @@ def test_plan_takes_the_block_sizes_the_engine_does():
     r = cli("plan", "--model", "smollm2-135m", "--cpu", "--block-size", "3")
     assert r.returncode != 0 and "--block-size must be a power of two" in r.stderr and "Traceback" not in r.stderr
     assert cli("plan", "--model", "smollm2-135m", "--cpu", "--block-size", "32").returncode == 0
+
+
+class _OddServer:
+    """An HTTP server answering /v1/models and /v1/chat/completions with what `routes` says (None: silence)."""
+
+    def __init__(self, routes: dict[str, bytes | None]):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _reply(self):
+                body = routes.get(self.path.split("?")[0])
+                if body is None:  # never answers: the client's timeout must end the wait
+                    threading.Event().wait(3)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _reply
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize(("routes", "model", "words"), [
+    ({"/v1/models": b'{"data": []}'}, None, "lists no model"),
+    ({"/v1/models": b"<html>hello</html>"}, None, "did not answer with a model list"),
+    ({"/v1/models": None}, None, "models: timed out"),
+    ({"/v1/chat/completions": b'data: {"error": "boom"}\n\n'}, "x", "boom"),
+    ({"/v1/chat/completions": b"data: [1, 2]\n\n"}, "x", "unexpected event"),
+    ({"/v1/chat/completions": b"data: {not json\n\n"}, "x", "chat/completions"),
+    ({"/v1/chat/completions": None}, "x", "completions: timed out"),
+])
+def test_chat_url_against_an_odd_server_is_one_error_never_a_traceback_or_a_hang(monkeypatch, routes, model, words):
+    from pagellm import chat_cli
+
+    monkeypatch.setattr(chat_cli, "READ_TIMEOUT_S", 0.5)
+    server = _OddServer(routes)
+    try:
+        with pytest.raises(chat_cli.ChatError, match=words):
+            backend = chat_cli.HTTPBackend(server.url, None, model)
+            list(backend.stream([{"role": "user", "content": "hi"}], {"max_tokens": 2}))
+    finally:
+        server.close()

@@ -123,3 +123,10 @@ def test_plan_cli_exit_status_is_the_answer():
     assert yes.returncode == 0 and "fits: yes" in yes.stdout
     assert subprocess.run([*base, "--gpu", "h100-80gb", "--max-num-seqs", "0"], capture_output=True, text=True,
                           timeout=60).returncode == 2
+
+
+@pytest.mark.parametrize("size", ["inf", "1e400GB", "nan", "0.1B"])
+def test_plan_device_memory_must_be_a_finite_size(size):
+    r = subprocess.run([sys.executable, "-m", "pagellm.cli", "plan", "--model", "llama-3-8b", "--device-memory", size],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--device-memory" in r.stderr, r.stderr

@@ -26,8 +26,8 @@ def parse_size(text: str) -> int:
         value = float(t) * mult
     except ValueError:
         raise ValueError(f"--device-memory {text!r}: expected a size such as 80GB, 24GiB or 8e10") from None
-    if value <= 0:
-        raise ValueError(f"--device-memory {text!r} must be positive")
+    if not 1 <= value < 2**80:  # NaN and inf fail too; under a byte is no device
+        raise ValueError(f"--device-memory {text!r} must be at least 1 byte and finite")
     return int(value)
 
 
