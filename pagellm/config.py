@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 from dataclasses import dataclass, field, fields
 
@@ -261,6 +262,7 @@ class EngineArgs:
     shm_allreduce: bool = True  # tensor-parallel ranks on one host sum through shared memory, not gloo
 
     def __post_init__(self):
+        self._check_types()
         gpu = str(self.device).startswith("cuda")
         if self.dtype is None:
             self.dtype = "auto" if gpu else "float32"
@@ -305,6 +307,36 @@ class EngineArgs:
         except ValueError as e:
             raise ValueError(f"swap_space: {e}") from None
 
+    def _check_types(self) -> None:
+        """Integer and flag options of the wrong type (a Python caller's "abc" or True) fail here naming the
+        field, not later inside the engine; then the bounds nothing else checks before the weights load."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            if value is None and kind.endswith("| None"):
+                continue
+            if kind.startswith("int |") and kind != "int | None":
+                continue  # a size: int or "256MiB", parsed below
+            if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+            if kind.startswith("bool") and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be True or False, got {value!r}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if not -2**63 <= self.seed < 2**64:  # what torch.manual_seed takes
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        check_block_size(self.block_size, "block_size")
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min must be in [1, ngram_max={self.ngram_max}], got {self.ngram_min}")
+        if self.master_port is not None and not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if self.attention_backend == "triton_paged" and not str(self.device).startswith("cuda") \
+                and os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs it on the CPU, for tests
+            raise ValueError("attention_backend 'triton_paged' runs on CUDA (--device cuda); on the CPU use "
+                             "--attention-backend auto")
+
     def _check_sizes(self) -> None:
         """What a falsy value would otherwise turn into the default (`or`): 0, or an empty string."""
         n = self.num_threads
@@ -313,11 +345,12 @@ class EngineArgs:
         m = self.max_model_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
-        if self.kv_cache_memory is not None:
-            try:
-                parse_bytes(self.kv_cache_memory)
-            except ValueError as e:
-                raise ValueError(f"kv_cache_memory: {e}") from None
+        for name in ("kv_cache_memory", "draft_kv_cache_memory"):
+            if getattr(self, name) is not None:
+                try:
+                    parse_bytes(getattr(self, name))
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
 
     def _check_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):

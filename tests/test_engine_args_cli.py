@@ -62,9 +62,36 @@ def test_old_attention_backend_names_map_to_the_new_ones_with_a_warning(old, cap
 
 @pytest.mark.parametrize("name", ATTENTION_BACKENDS)
 def test_new_attention_backend_names_pass_without_a_warning(name, caplog):
+    device = ("--device", "cuda") if name == "triton_paged" else ()  # CUDA only: refused on the CPU (below)
     with caplog.at_level(logging.WARNING, logger="pagellm"):
-        assert parse("--attention-backend", name).attention_backend == name
+        assert parse("--attention-backend", name, *device).attention_backend == name
     assert not caplog.records
+
+
+def test_triton_paged_on_the_cpu_is_refused_before_anything_loads(monkeypatch):
+    """It had started a server that died at its first request."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="'triton_paged' runs on CUDA"):
+        EngineArgs(attention_backend="triton_paged")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs it on the CPU (its tests)
+    EngineArgs(attention_backend="triton_paged")
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("max_num_seqs", "abc", "max_num_seqs must be an integer"), ("max_num_seqs", 2.5, "must be an integer"),
+    ("max_num_seqs", 0, "max_num_seqs must be >= 1"), ("max_num_batched_tokens", "x", "must be an integer"),
+    ("max_prefill_tokens_while_decoding", -1, "must be >= 0"), ("block_size", 3, "block_size must be a power"),
+    ("seed", "abc", "seed must be an integer"), ("seed", 2**70, "seed must be in"),
+    ("ngram_min", 0, "ngram_min must be in"), ("master_port", 99999, "master_port must be in"),
+    ("device", "tpu", "device must be cpu, cuda"), ("enable_prefix_caching", "no", "must be True or False"),
+    ("tensor_parallel_size", True, "tensor_parallel_size must be an integer"),
+    ("draft_kv_cache_memory", 0, "draft_kv_cache_memory"), ("int8_activations", 1, "must be True or False"),
+])
+def test_engine_args_of_the_wrong_type_or_range_fail_at_construction(field, value, words):
+    """Before any weights load, naming the field (they had failed after the load, inside the engine, as
+    "'<' not supported between instances of 'str' and 'int'" or torch's own seed message)."""
+    with pytest.raises(ValueError, match=words):
+        EngineArgs(**{field: value})
 
 
 def test_unknown_attention_backend_is_rejected():
