@@ -74,6 +74,22 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):  # one word, as stop takes one string
+            self.bad_words = [self.bad_words]
+        if isinstance(self.structured_outputs, dict):  # the dataclass's fields as a dict (a JSON body's shape)
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict of its fields, got "
+                             f"{type(self.structured_outputs).__name__}")
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple, str if name == "stop" else list)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
@@ -90,6 +106,15 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 bad(name, "a number", value)
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "beam_width", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
+            if isinstance(getattr(self, name), bool):  # an int to isinstance: True would be 1
+                bad(name, "an integer, not a boolean", getattr(self, name))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(isinstance(t, bool) for t in getattr(self, name) or ()):
+                bad(name, "a list of token ids (integers, not booleans)", getattr(self, name))
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.logit_bias or {}):
+            bad("logit_bias", "keyed by token ids (integers)", self.logit_bias)
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "an integer >= 1", self.n)
         if not 0.0 <= self.temperature <= 100.0:

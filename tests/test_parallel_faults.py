@@ -165,3 +165,13 @@ def test_a_dead_worker_makes_the_server_unhealthy_and_exit_nonzero(tiny_path, sm
         wait_until(lambda: _gone(workers | core), timeout=10, what="every worker and the engine core gone")
     finally:
         server.stop()
+
+
+def test_an_engine_that_fails_after_its_workers_started_stops_them(tiny_path, smollm_gguf_path):
+    """The draft model loads after the workers start; when it fails, LLM(...) raises and no worker stays
+    (they had run on until the calling process exited)."""
+    before = children(os.getpid())
+    with pytest.raises((ValueError, OSError), match="no-such-draft"):
+        LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB", tensor_parallel_size=2,
+            speculative_method="draft", draft_model="/no-such-draft")
+    wait_until(lambda: _gone(children(os.getpid()) - before), timeout=30, what="the workers to exit")

@@ -195,3 +195,40 @@ def test_length_penalty_out_of_range_is_refused_at_validation(value):
     with pytest.raises(ValueError, match=r"length_penalty must be in \[-10, 10\]"):
         SamplingParams(n=2, use_beam_search=True, max_tokens=4, length_penalty=value)
     SamplingParams(n=2, use_beam_search=True, max_tokens=4, length_penalty=-10.0)
+
+
+def test_offline_api_inputs_of_the_wrong_shape_fail_clearly_and_leave_the_engine_clean(make_llm):
+    """What a probe of the Python API found failing deep inside the engine (AttributeError, a jinja error, a
+    dict iterated as its keys); each now a TypeError or ValueError naming what is wrong, and the engine
+    generates as before afterwards."""
+    llm = make_llm()
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    before = llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    cases = [
+        (lambda: llm.generate("hi", {"max_tokens": 3}), TypeError, "sampling_params must be a SamplingParams"),
+        (lambda: llm.generate(["a", "b"], [greedy, "x"]), TypeError, "got str"),
+        (lambda: llm.generate(None), TypeError, "prompts must be"),
+        (lambda: llm.generate(5), TypeError, "prompts must be"),
+        (lambda: llm.generate({"text": "hi"}), ValueError, "prompt dict needs"),
+        (lambda: llm.generate([[5, 6], [10**6], [7, 8]], greedy), ValueError, "prompt 1: "),
+        (lambda: llm.chat("hello"), TypeError, "messages must be"),
+        (lambda: llm.chat([{"role": "user"}]), ValueError, "chat template failed"),
+        (lambda: SamplingParams(structured_outputs={"regex": "a+", "nope": 1}), ValueError, "structured_outputs"),
+        (lambda: SamplingParams(structured_outputs=5), ValueError, "structured_outputs must be"),
+        (lambda: SamplingParams(logit_bias=[1, 2]), ValueError, "logit_bias must be a dict"),
+        (lambda: SamplingParams(logit_bias={"a": 1.0}), ValueError, "logit_bias must be keyed by token ids"),
+        (lambda: SamplingParams(stop_token_ids=5), ValueError, "stop_token_ids must be a list"),
+        (lambda: SamplingParams(n=True), ValueError, "n must be an integer, not a boolean"),
+        (lambda: SamplingParams(max_tokens=True), ValueError, "max_tokens must be an integer, not a boolean"),
+        (lambda: SamplingParams(allowed_token_ids=[True]), ValueError, "allowed_token_ids must be a list of token"),
+    ]
+    for call, kind, words in cases:
+        with pytest.raises(kind, match=words):
+            call()
+        _assert_all_blocks_free(llm)
+    assert SamplingParams(bad_words="abc").bad_words == ["abc"]  # one word, not three letters
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.kind == "regex"
+    text = next(t for t in ("a", "b", "x", "1") if max(llm.get_tokenizer().encode(t)) < 512)  # the tiny vocab
+    assert llm.generate({"prompt": text}, greedy, use_tqdm=False)[0].prompt == text  # vLLM's TextPrompt
+    assert llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == before
+    _assert_all_blocks_free(llm)

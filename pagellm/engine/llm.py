@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import jinja2
 import torch
 from tqdm import tqdm
 
@@ -34,21 +35,33 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if prompts is None or isinstance(prompts, (int, float, bytes)) or not hasattr(prompts, "__iter__"):
+            raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of those, got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+            if any(not isinstance(p, SamplingParams) for p in params):  # a dict would iterate as its keys
+                bad = next(p for p in params if not isinstance(p, SamplingParams))
+                raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                                f"{type(bad).__name__}")
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(str(next(self._ids)), prompt, p))
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                try:
+                    ids.append(self.engine.add_request(str(next(self._ids)), prompt, p))
+                except (ValueError, TypeError) as e:
+                    if len(prompts) == 1:
+                        raise
+                    raise type(e)(f"prompt {i}: {e}") from None  # which one of the batch
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
             raise
@@ -56,10 +69,20 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+            else messages
+        if not isinstance(conversations, list) or not conversations or any(
+                not isinstance(c, list) or not c or any(not isinstance(m, dict) for m in c) for c in conversations):
+            raise TypeError("messages must be a non-empty list of message dicts ({'role': ..., 'content': ...}), or "
+                            "a list of such conversations")
         tok = self.engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                              add_special_tokens=False) for c in conversations]
+        prompts = []
+        for c in conversations:
+            try:
+                text = tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            except jinja2.TemplateError as e:  # a message the template cannot render (no 'content', ...)
+                raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+            prompts.append(tok.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -125,11 +125,15 @@ class LLMEngine:
         else:
             self.executor = start_workers(args, path, dtype, kv_dtype, num_blocks, num_host_blocks)
             self.weights_bytes = max(self.executor.weights_bytes)  # the busiest rank's
-        # Grammars for structured output; xgrammar is loaded on the first structured request.
-        self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
-        self.step_sampler = StepSampler(Sampler(self.eos_token_ids), self.device, self.structured_output)
-        self.proposer = build_proposer(args, self.max_model_len, backend, self.step_sampler.sampler,
-                                       self.model_config, platform, dtype, self.device)
+        try:  # a failure from here on (a draft model that does not load) must not leave worker processes behind
+            # Grammars for structured output; xgrammar is loaded on the first structured request.
+            self.structured_output = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+            self.step_sampler = StepSampler(Sampler(self.eos_token_ids), self.device, self.structured_output)
+            self.proposer = build_proposer(args, self.max_model_len, backend, self.step_sampler.sampler,
+                                           self.model_config, platform, dtype, self.device)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         # The draft model's own cost is not modelled yet: adaptive drafting is for the n-gram proposer.
         adaptive = args.speculative_adaptive and isinstance(self.proposer, NgramProposer)
         self.spec_controller = SpeculationController() if adaptive else None
@@ -242,8 +246,12 @@ class LLMEngine:
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):  # vLLM's TokensPrompt: ids tokenized elsewhere, the text kept for echo
-            text, (_, ids) = prompt.get("prompt"), self._tokenize(prompt["prompt_token_ids"])
-            return text, ids
+            if "prompt_token_ids" in prompt:
+                text, (_, ids) = prompt.get("prompt"), self._tokenize(prompt["prompt_token_ids"])
+                return text, ids
+            if isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt_token_ids' (vLLM's TokensPrompt) or a 'prompt' string")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool)
