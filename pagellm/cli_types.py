@@ -55,3 +55,5 @@ positive_seconds = _ranged(_float, lambda v: v > 0, "must be a number of seconds
 nonnegative_seconds = _ranged(_float, lambda v: v >= 0, "must be a number of seconds >= 0")
 positive_number = _ranged(_float, lambda v: v > 0, "must be > 0")
 nonnegative_number = _ranged(_float, lambda v: v >= 0, "must be >= 0")
+nonnegative_int = _ranged(_int, lambda v: v >= 0, "must be >= 0")
+fraction_below_one = _ranged(_float, lambda v: 0 <= v < 1, "must be in [0, 1)")

@@ -65,7 +65,12 @@ def test_a_kv_cache_larger_than_the_device_is_one_line():
 @pytest.mark.parametrize("args", [["serve", "--port", "99999"], ["serve", "--request-timeout", "nan"],
                                   ["serve", "--shutdown-timeout", "-5"], ["bench", "throughput", "--num-prompts", "0"],
                                   ["bench", "serve", "--request-rate", "nan", "--url", "http://127.0.0.1:1"],
-                                  ["eval", "--margin", "nan"], ["bench", "throughput", "--input-len", "10", "5"]])
+                                  ["eval", "--margin", "nan"], ["bench", "throughput", "--input-len", "10", "5"],
+                                  ["bench", "serve", "--max-concurrency", "0", "--url", "http://127.0.0.1:1"],
+                                  ["bench", "serve", "--range-ratio", "2", "--url", "http://127.0.0.1:1"],
+                                  ["bench", "serve", "--timeout", "nan", "--url", "http://127.0.0.1:1"],
+                                  ["bench", "memory", "--prefix-len", "-1"], ["bench", "memory", "--parallel-n", "0"],
+                                  ["bench", "soak", "--max-rss-drift", "nan"]])
 def test_bad_numbers_stop_before_any_model_loads(args):
     r = cli(*args)
     assert r.returncode == 2, r.stderr

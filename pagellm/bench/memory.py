@@ -314,11 +314,16 @@ def add_memory_parser(bsub) -> None:
                                     "independent requests, and paged versus contiguous waste.")
     m.add_argument("--shared-requests", type=cli_types.positive_int, default=32,
                    help="requests sharing the prefix (default 32)")
-    m.add_argument("--prefix-len", type=int, default=1024, help="shared prefix tokens (default 1024)")
-    m.add_argument("--question-len", type=int, default=32, help="distinct tokens per request (default 32)")
-    m.add_argument("--max-tokens", type=int, default=16, help="output tokens in a. and b. (default 16)")
-    m.add_argument("--parallel-n", type=int, default=8, help="n of the parallel-sampling request (default 8)")
-    m.add_argument("--parallel-prompt-len", type=int, default=512, help="its prompt tokens (default 512)")
+    m.add_argument("--prefix-len", type=cli_types.nonnegative_int, default=1024,
+                   help="shared prefix tokens (default 1024)")
+    m.add_argument("--question-len", type=cli_types.positive_int, default=32,
+                   help="distinct tokens per request (default 32)")
+    m.add_argument("--max-tokens", type=cli_types.positive_int, default=16,
+                   help="output tokens in a. and b. (default 16)")
+    m.add_argument("--parallel-n", type=cli_types.positive_int, default=8,
+                   help="n of the parallel-sampling request (default 8)")
+    m.add_argument("--parallel-prompt-len", type=cli_types.positive_int, default=512,
+                   help="its prompt tokens (default 512)")
     m.add_argument("--num-prompts", type=cli_types.positive_int, default=64,
                    help="requests of the fragmentation workload")
     m.add_argument("--contiguous-len", type=int, default=2048,

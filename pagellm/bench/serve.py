@@ -43,23 +43,26 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                         "server without pagellm's /tokenize and /detokenize (vLLM's accepts any token id)")
     p.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
                    help="sent as 'Authorization: Bearer KEY' (default: $PAGELLM_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=64, help="requests (default 64)")
+    p.add_argument("--num-prompts", type=cli_types.positive_int, default=64, help="requests (default 64)")
     p.add_argument("--request-rate", type=cli_types.rate, default=float("inf"), metavar="R",
                    help="mean requests/s, or inf to send all at once (default inf)")
     p.add_argument("--burstiness", type=cli_types.positive_number, default=1.0, metavar="B",
                    help="gamma shape of the inter-arrival times: 1 = Poisson, <1 burstier, >1 steadier")
-    p.add_argument("--max-concurrency", type=int, default=None, metavar="C",
+    p.add_argument("--max-concurrency", type=cli_types.positive_int, default=None, metavar="C",
                    help="at most C requests in flight; later arrivals wait (default: unbounded)")
     p.add_argument("--dataset", nargs="+", default=["random"], metavar="KIND",
                    help="'random' (token-id prompts) or 'sharegpt-json PATH' (default random)")
-    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens (default 128)")
-    p.add_argument("--output-len", type=int, default=64, help="random: output tokens (default 64)")
-    p.add_argument("--range-ratio", type=float, default=0.0,
+    p.add_argument("--input-len", type=cli_types.positive_int, default=128,
+                   help="random: prompt tokens (default 128)")
+    p.add_argument("--output-len", type=cli_types.positive_int, default=64,
+                   help="random: output tokens (default 64)")
+    p.add_argument("--range-ratio", type=cli_types.fraction_below_one, default=0.0,
                    help="random: lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset sample and the arrival times")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs in ms for goodput, keys ttft, tpot, e2el; e.g. ttft:2000 tpot:100")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--timeout", type=cli_types.positive_seconds, default=600.0,
+                   help="per-request timeout in seconds")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw the latencies (needs matplotlib)")
     from pagellm.bench.serve_launch import add_launch_args

@@ -20,6 +20,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
+from pagellm import cli_types
 from pagellm.bench.common import served_model
 from pagellm.bench.report import write_json
 from pagellm.bench.soak_report import checks, plot_soak, print_summary, summarize
@@ -98,7 +99,7 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
                    help="how long the server may take to go idle after the traffic (default 2m)")
     p.add_argument("--max-requests", type=int, default=None,
                    help="cap on requests sent (default: 3 x rate x (warm-up + duration) + bursts + 1000)")
-    p.add_argument("--max-rss-drift", type=float, default=0.05,
+    p.add_argument("--max-rss-drift", type=cli_types.nonnegative_number, default=0.05,
                    help="allowed RSS growth from after warm-up to after drain (default 0.05 = 5%%)")
     p.add_argument("--metrics-interval", type=parse_duration, default=parse_duration("5s"),
                    help="how often /metrics is sampled for the plot (default 5s)")
