@@ -229,3 +229,20 @@ def test_chat_url_against_an_odd_server_is_one_error_never_a_traceback_or_a_hang
             list(backend.stream([{"role": "user", "content": "hi"}], {"max_tokens": 2}))
     finally:
         server.close()
+
+
+def test_serve_on_a_port_in_use_or_a_foreign_host_fails_before_the_model_loads():
+    import socket
+    import time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        t0 = time.monotonic()
+        r = cli("serve", "--port", str(taken.getsockname()[1]))
+        assert r.returncode == 2 and "cannot listen on 127.0.0.1:" in r.stderr and "Traceback" not in r.stderr
+        assert "loaded in" not in r.stderr and time.monotonic() - t0 < 60, r.stderr[-2000:]
+    r = cli("serve", "--host", "no.such.host.invalid")
+    assert r.returncode == 2 and "cannot listen on no.such.host.invalid" in r.stderr and "loaded in" not in r.stderr
+    r = cli("serve", "--max-request-body-bytes", "abc")
+    assert r.returncode == 2 and "--max-request-body-bytes" in r.stderr.strip().splitlines()[-1]

@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import socket
 
 from pagellm import cli_types
 from pagellm.config import EngineArgs, parse_bytes
@@ -115,7 +116,11 @@ def serve(ns: argparse.Namespace) -> int:
     if ns.max_queue_len is not None and ns.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {ns.max_queue_len}")
     api_key = resolve_api_key(ns)
-    http = HttpOptions(parse_bytes(ns.max_request_body_bytes), ns.protect_metrics, ns.allowed_origins)
+    try:
+        body_cap = parse_bytes(ns.max_request_body_bytes)
+    except ValueError as e:
+        raise ValueError(f"--max-request-body-bytes: {e}") from None
+    http = HttpOptions(body_cap, ns.protect_metrics, ns.allowed_origins)
     if http.protect_metrics and not api_key:
         raise ValueError("--protect-metrics needs an API key (--api-key, --api-key-file or $PAGELLM_API_KEY)")
     if not api_key and not is_loopback(ns.host):
@@ -127,6 +132,7 @@ def serve(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     if args.node_rank > 0:  # a worker node of a multi-node deployment: no engine, no HTTP
         return run_headless((args.master_addr, args.master_port), args.nnodes, args.node_rank)
+    check_listen(ns.host, ns.port)  # a port in use or a host that is not this machine's: before the load
     async_engine, shutdown = start_engine(args, ns.engine_process, ns.max_queue_len)
     try:
         names = ns.served_model_name or [default_model_name(ns.model, async_engine.info.model_path)]
@@ -143,6 +149,18 @@ def serve(ns: argparse.Namespace) -> int:
     finally:
         shutdown()  # the engine core process and worker processes, if any
     return server.exit_code
+
+
+def check_listen(host: str, port: int) -> None:
+    """ValueError unless a socket can listen on host:port now (as uvicorn will: SO_REUSEADDR). vLLM checks this
+    before it loads the model too; a port taken in between still fails in uvicorn's bind."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as e:  # socket.gaierror too
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def start_engine(args: EngineArgs, engine_process: bool, max_queue_len: int | None):
