@@ -306,6 +306,8 @@ class EngineArgs:
             self.swap_space = parse_bytes(self.swap_space) if self.swap_space not in (0, "0") else 0
         except ValueError as e:
             raise ValueError(f"swap_space: {e}") from None
+        if self.preemption_mode == "swap" and self.swap_space == 0:  # it had fallen back to recompute silently
+            raise ValueError("preemption_mode 'swap' needs swap_space > 0 (host memory for swapped-out blocks)")
 
     def _check_types(self) -> None:
         """Integer and flag options of the wrong type (a Python caller's "abc" or True) fail here naming the

@@ -83,7 +83,14 @@ def test_report_paths_are_checked_before_the_run(tmp_path):
     with pytest.raises(ValueError, match="a directory"):
         check_outputs(str(tmp_path))
     check_outputs(str(tmp_path / "new" / "r.json"), None)
-    assert not (tmp_path / "new" / "r.json").exists()  # checked, not created
+    assert not (tmp_path / "new" / "r.json").exists() and not os.listdir(tmp_path / "new")  # checked, not created
+    with pytest.raises(ValueError, match="cannot write /proc/x.json"):  # os.access says yes to root there
+        check_outputs("/proc/x.json")
+    with pytest.raises(ValueError, match="/dev/null is not a directory"):
+        check_outputs("/dev/null/x.png")
+    (tmp_path / "old.json").write_text("kept")
+    check_outputs(str(tmp_path / "old.json"))
+    assert (tmp_path / "old.json").read_text() == "kept"
 
 
 def test_quantize_checks_its_output_and_picks_a_group_size_that_divides():

@@ -99,3 +99,9 @@ def test_unknown_attention_backend_is_rejected():
         EngineArgs(attention_backend="flash-magic")
     with pytest.raises(SystemExit):
         parse("--attention-backend", "flash-magic")
+
+
+def test_swap_preemption_without_swap_space_is_refused():
+    with pytest.raises(ValueError, match="needs swap_space > 0"):
+        EngineArgs(preemption_mode="swap", swap_space=0)
+    assert EngineArgs(preemption_mode="swap").swap_space > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 
 def check_outputs(*paths: str | None) -> None:
@@ -16,12 +17,19 @@ def check_outputs(*paths: str | None) -> None:
         parent = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(parent, exist_ok=True)
+        except FileExistsError:
+            raise ValueError(f"cannot write {path}: {parent} is not a directory") from None
         except OSError as e:
             raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
         if os.path.isdir(path):
             raise ValueError(f"cannot write {path}: a directory")
-        if not os.access(path if os.path.exists(path) else parent, os.W_OK):
-            raise ValueError(f"cannot write {path}: not writable")
+        try:  # a file made and removed, not os.access: root passes access() even on /proc
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".pagellm-check-"):
+                pass
+            if os.path.exists(path):
+                open(path, "a").close()  # appending nothing leaves it as it is
+        except OSError as e:
+            raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def write_json(path: str, report: dict) -> None:
