@@ -222,3 +222,11 @@ def test_unknown_model_and_response_are_404(client):
         client.responses.create(model="nope", input="x")
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_nope")
+
+
+def test_an_invalid_text_format_schema_names_text(server):
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "model": MODEL, "input": "x", "max_output_tokens": 4,
+        "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
+    assert r.json()["error"]["message"].startswith("text.format.schema: ")

@@ -9,6 +9,7 @@ structured-output regex, then parsed as any generated text would be.
 import asyncio
 import json
 
+import httpx
 import openai
 import pytest
 from test_server import Server
@@ -306,3 +307,15 @@ def test_auto_needs_the_server_flag_and_chat_template_overrides(plain_server, sm
                                        extra_body={"chat_template_kwargs": {"flavour": "spicy"}})
     expected = f"TOOLS=get_weather,add\n[user]{ASK[0]['content']}\nspicy[assistant]"
     assert r.usage.prompt_tokens == len(smollm_tokenizer.encode(expected, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_an_invalid_function_schema_names_tools(server, choice):
+    """tool_choice required / named is enforced through structured output: its error names the request's tools,
+    not the internal structured_outputs.json."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools,
+        "tool_choice": choice})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert r.json()["error"]["message"].startswith("tools: ") and "structured_outputs" not in r.text

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.fields import Flag, Int
+from pagellm.server.protocol_structured import attach
 
 
 class _Body(BaseModel):
@@ -180,12 +181,12 @@ class ResponsesRequest(_Body):
             return default if value is None else value
 
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0), top_k=given(self.top_k, -1),
                 min_p=given(self.min_p, 0.0), repetition_penalty=given(self.repetition_penalty, 1.0),
                 seed=self.seed, max_tokens=self.max_output_tokens,
-                logprobs=(self.top_logprobs or 0) if self.wants_logprobs else None,
-                structured_outputs=self.structured_outputs())
+                logprobs=(self.top_logprobs or 0) if self.wants_logprobs else None)
+            return attach(params, self.structured_outputs(), "text.format.schema")  # the field errors name
         except ValueError as e:
             msg = str(e)
             if msg.startswith("max_tokens "):  # SamplingParams' name for it

@@ -20,6 +20,7 @@ from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.chat_templates import render_tool_prompt
 from pagellm.server.errors import APIError
 from pagellm.server.protocol import ChatCompletionRequest, NamedToolChoice
+from pagellm.server.protocol_structured import attach
 from pagellm.server.tool_parsers import (
     TOOL_PARSERS,
     JsonArrayToolParser,
@@ -91,7 +92,9 @@ class ToolPlan:
             raise APIError(400, f"tool_choice {self.choice!r} is enforced through structured output, so it "
                                 "cannot be combined with response_format or structured output fields",
                            param="tool_choice")
-        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=self.schema))
+        # an invalid function schema is then a 400 naming tools (protocol_structured.structured_error)
+        return attach(dataclasses.replace(params, extra=dict(params.extra)), StructuredOutputsParams(json=self.schema),
+                      "tools")
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A finished choice -> (the assistant message, the finish reason)."""
