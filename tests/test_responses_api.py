@@ -230,3 +230,15 @@ def test_an_invalid_text_format_schema_names_text(server):
         "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "text", r.text
     assert r.json()["error"]["message"].startswith("text.format.schema: ")
+
+
+@pytest.mark.parametrize("item, words", [
+    ({"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "'input_text'"),
+    ({"type": "message", "role": "robot", "content": "hi"}, "role"),
+    ({"type": "reasoning", "summary": []}, "type"),
+])
+def test_an_input_item_error_says_what_in_the_item_is_wrong(server, item, words):
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={"model": MODEL, "input": [item]})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "input" and words in err["message"], r.text
+    assert "valid string" not in err["message"]

@@ -60,6 +60,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
+    top = first.get("loc", ())[:2]
+    if len(errors) > 1 and top and top[-1] not in _SHAPES:
+        # a union's members each report; the one that got furthest into the value says what is wrong (a
+        # Responses input item's unknown part type, not "input: Input should be a valid string")
+        first = max((e for e in errors if e.get("loc", ())[:2] == top), key=lambda e: len(e.get("loc", ())))
     loc = [f"[{x}]" if isinstance(x, int) else str(x) for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
