@@ -76,3 +76,14 @@ def test_beam_search_refuses_what_it_cannot_honour(server, path, extra, param):
 def test_best_of_without_beam_search_is_still_refused(server):
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "n": 1, "best_of": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
+
+
+def test_a_beam_wider_than_max_num_seqs_names_the_field_the_client_sent(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "use_beam_search": True}
+    r = httpx.post(server.url + "/v1/completions", json={**body, "n": 1, "best_of": 100}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+    assert "beam_width must be <= max_num_seqs" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "use_beam_search": True,
+        "n": 100})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -201,8 +201,8 @@ class LLMEngine:
         leader = Request(f"{request_id}#beam0", prompt_ids, params, self.eos_token_ids, arrival_time, cache_salt)
         leader.extra_seats = params.beam_width - 1
         if leader.num_seqs > self.scheduler.config.max_num_seqs:
-            raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs="
-                             f"{self.scheduler.config.max_num_seqs}")
+            raise ValueError(f"beam_width must be <= max_num_seqs ({self.scheduler.config.max_num_seqs}): the beams "
+                             f"run at once; got {params.beam_width}")
         max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
         group = BeamSearchGroup(request_id, params, len(prompt_ids), len(prompt_ids) + max_new,
                                 self.eos_token_ids, beams=[(leader, 0.0)])

@@ -83,7 +83,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     prompts = await prepare_prompts(ctx.engine.tokenizer, [prompt_ids], params, ctx.engine.max_model_len,
                                     max_tokens_param="max_completion_tokens" if body.max_completion_tokens
                                     is not None else "max_tokens")
-    streams = await ctx.add_all(prompts, params, rid, "messages", body.cache_salt)
+    try:
+        streams = await ctx.add_all(prompts, params, rid, "messages", body.cache_salt)
+    except APIError as e:  # the engine's name for the beam width: chat's is n
+        if e.param == "beam_width":
+            e.param = "n"
+        raise
     created = now_s()
     if body.stream:
         return EngineStreamingResponse(_stream(body, streams, rid, created, model, plan), streams)

@@ -63,7 +63,12 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     # tokenized off the event loop; max_tokens checked against the context (vLLM's 400)
     prompts = await prepare_prompts(ctx.engine.tokenizer, prompts, params, ctx.engine.max_model_len,
                                     body.add_special_tokens)
-    streams = await ctx.add_all(prompts, params, rid, "prompt", body.cache_salt)
+    try:
+        streams = await ctx.add_all(prompts, params, rid, "prompt", body.cache_salt)
+    except APIError as e:  # the engine's name for the beam width; over HTTP it is best_of (else n)
+        if e.param == "beam_width":
+            e.param = "best_of" if body.best_of is not None else "n"
+        raise
     created = now_s()
     if body.stream:
         return EngineStreamingResponse(_stream(body, streams, rid, created, model, ctx), streams)
