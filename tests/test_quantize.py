@@ -402,3 +402,13 @@ def test_pagellm_loads_its_compressed_tensors_output(tiny_dir, checkpoints):
         got, w = _loaded_rows(model, module), ref[module + ".weight"]
         step = np.abs(w.reshape(w.shape[0], -1, G)).max(-1, keepdims=True) / 7
         assert (np.abs(got - w).reshape(step.shape[0], -1, G) <= step * (1 + 1e-3) + 1e-6).all(), module
+
+
+def test_a_failure_after_the_checks_leaves_no_empty_out_dir(tiny_dir, tmp_path):
+    """--out is made by the checks (so an unwritable one fails in a second); a bad calibration file found
+    later (empty here) must not leave it behind."""
+    (tmp_path / "empty.txt").write_text("")
+    out = tmp_path / "out"
+    r = _quantize_cli("--model", tiny_dir, "--method", "gptq", "--group-size", str(G), "--out", str(out),
+                      "--calibration", str(tmp_path / "empty.txt"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not out.exists(), r.stderr

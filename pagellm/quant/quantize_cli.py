@@ -117,10 +117,16 @@ def run_quantize(ns: argparse.Namespace) -> int:
             raise ValueError(f"{path} is quantized already ({hf['quantization_config']['quant_method']}); "
                              "quantize its float original")
     cfg = load_config(path)
-    check_options(ns, cfg)
+    made_out = bool(ns.out) and not os.path.exists(ns.out)
+    check_options(ns, cfg)  # makes --out
     ns.keep = [k.strip() for k in ns.keep.split(",") if k.strip()]
     t0 = time.perf_counter()
-    out = quantize(path, cfg, ns)
+    try:
+        out = quantize(path, cfg, ns)
+    except BaseException:
+        if made_out and os.path.isdir(ns.out) and not os.listdir(ns.out):
+            os.rmdir(ns.out)  # a failure (a bad tokenizer or calibration file) leaves no empty --out behind
+        raise
     logger.info("wrote %s in %.1fs", out, time.perf_counter() - t0)
     print(out)
     return 0
