@@ -1,5 +1,5 @@
 // The prefill attention's work item on AMX bf16 tiles (included by prefill_attention.cpp: Packed, the packed K and V
-// layouts, reset_rows and write_rows are that file's, exp16 simd.h's). 16 query rows of one head per item; per
+// layouts, reset_rows and write_rows are that file's, exp16_bf16 too). 16 query rows of one head per item; per
 // step of AMX_STEP = 64 keys:
 //   S = Q K^T   four C tiles (16 rows x 16 keys each), D / 32 products apiece: A = 32 dimensions of the 16
 //               bf16 query rows, B = 16 dimension pairs of 16 keys, which is the packed K layout as it is;
@@ -117,14 +117,14 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
             m_new[r] = std::max(m[r], _mm512_reduce_max_ps(top));  // finite: row r sees key 0 from the first step
         }
         const __m512 mv = _mm512_load_ps(m_new);
-        _mm512_store_ps(alpha, exp16(_mm512_sub_ps(_mm512_load_ps(m), mv)));
+        _mm512_store_ps(alpha, exp16_bf16(_mm512_sub_ps(_mm512_load_ps(m), mv)));
         const bool rescale = _mm512_cmpneq_ps_mask(_mm512_load_ps(alpha), _mm512_set1_ps(1.f)) != 0;
         _mm512_store_ps(m, mv);
         for (int r = 0; r < TILE_ROWS; ++r) {
             const __m512 mx = _mm512_set1_ps(m[r]);
             __m512 x[4], sum = _mm512_setzero_ps();
             for (int t = 0; t < 4; ++t) {
-                x[t] = exp16(_mm512_sub_ps(_mm512_load_ps(s[r] + 16 * t), mx));
+                x[t] = exp16_bf16(_mm512_sub_ps(_mm512_load_ps(s[r] + 16 * t), mx));
                 if (!whole) {  // exactly 0 for the masked keys (exp16 clamps: -inf would give ~1e-38)
                     const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_load_ps(s[r] + 16 * t), ninf, _CMP_NEQ_OQ);
                     x[t] = _mm512_maskz_mov_ps(seen, x[t]);
