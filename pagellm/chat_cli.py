@@ -7,6 +7,7 @@ chatting with a remote server needs nothing beyond pagellm's own dependencies.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import sys
 import urllib.error
@@ -85,14 +86,14 @@ class HTTPBackend:
             raise ChatError(f"server answered {e.code}: {_error_message(e.read())}") from None
         except urllib.error.URLError as e:
             raise ChatError(f"cannot reach {self.base}: {e.reason}") from None
-        except OSError as e:  # a timeout (TimeoutError) or a reset before the reply
-            raise ChatError(f"{self.base}{path}: {e or type(e).__name__}") from None
+        except (OSError, http.client.HTTPException) as e:  # a timeout (TimeoutError), a reset before the reply
+            raise ChatError(f"{self.base}{path}: {str(e) or type(e).__name__}") from None
 
     def _first_model(self) -> str:
         try:
             with self._open("/models", timeout=min(30.0, READ_TIMEOUT_S)) as resp:
                 listing = json.load(resp)
-        except (OSError, ValueError) as e:  # a timeout while reading; not JSON
+        except (OSError, ValueError, http.client.HTTPException) as e:  # a timeout while reading; not JSON
             raise ChatError(f"{self.base}/models did not answer with a model list: {e}") from None
         models = listing.get("data") if isinstance(listing, dict) else None
         if not isinstance(models, list) or not models or not isinstance(models[0], dict) or "id" not in models[0]:
@@ -104,8 +105,9 @@ class HTTPBackend:
         try:
             with self._open("/chat/completions", body) as resp:
                 yield from _deltas(resp)
-        except (OSError, ValueError) as e:  # silent past READ_TIMEOUT_S, a reset, an event that is not JSON
-            raise ChatError(f"{self.base}/chat/completions: {e or type(e).__name__}") from None
+        except (OSError, ValueError, http.client.HTTPException) as e:  # silent past READ_TIMEOUT_S, a reset, a
+            # reply cut mid-chunk (IncompleteRead), an event that is not JSON
+            raise ChatError(f"{self.base}/chat/completions: {str(e) or type(e).__name__}") from None
 
 
 def _deltas(resp) -> Iterator[str]:

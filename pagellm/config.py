@@ -7,6 +7,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
+from numbers import Integral
 
 from pagellm import cli_types
 
@@ -22,6 +23,11 @@ _SIZE_UNITS = {
 
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens per KV block the kernels and the manager take
+
+
+def _is_bool(value) -> bool:
+    """A Python or a numpy bool (numpy's is no int subclass, and config stays numpy-free)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
 
 
 def check_block_size(value: int, name: str) -> None:
@@ -318,11 +324,15 @@ class EngineArgs:
                 continue
             if kind.startswith("int |") and kind != "int | None":
                 continue  # a size: int or "256MiB", parsed below
-            if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ValueError(f"{f.name} must be an integer, got {value!r}")
-            if kind.startswith("bool") and not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be True or False, got {value!r}")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", str(self.device)):
+            if kind.startswith("int"):
+                if _is_bool(value) or not isinstance(value, Integral):
+                    raise ValueError(f"{f.name} must be an integer, got {value!r}")
+                setattr(self, f.name, int(value))  # numpy's integers too, as plain ints
+            if kind.startswith("bool"):
+                if not _is_bool(value):
+                    raise ValueError(f"{f.name} must be True or False, got {value!r}")
+                setattr(self, f.name, bool(value))
+        if not re.fullmatch(r"(cpu|cuda)(:\d+)?", str(self.device)):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if not -2**63 <= self.seed < 2**64:  # what torch.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
@@ -330,8 +340,11 @@ class EngineArgs:
         for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"ngram_min must be in [1, ngram_max={self.ngram_max}], got {self.ngram_min}")
+        if self.speculative_method == "ngram":  # read only then (the proposer checks the same)
+            if self.ngram_max < 1:
+                raise ValueError(f"ngram_max must be >= 1, got {self.ngram_max}")
+            if not 1 <= self.ngram_min <= self.ngram_max:
+                raise ValueError(f"ngram_min must be in [1, ngram_max={self.ngram_max}], got {self.ngram_min}")
         if self.master_port is not None and not 0 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
         if self.attention_backend == "triton_paged" and not str(self.device).startswith("cuda") \

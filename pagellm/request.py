@@ -26,6 +26,12 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
+def request_of(seq_id: str) -> str:
+    """The engine request a sequence belongs to: LLMEngine names sequences `<request id>#<i>` (beams
+    `#beam<step>.<j>`), and what follows the last '#' never holds one. For messages the client reads."""
+    return seq_id.rsplit("#", 1)[0]
+
+
 class Request:
     """One sequence. `num_computed_tokens` is how many of `all_token_ids` have KV in the cache."""
 

@@ -249,6 +249,10 @@ def test_serve_on_a_port_in_use_or_a_foreign_host_fails_before_the_model_loads()
         r = cli("serve", "--port", str(taken.getsockname()[1]))
         assert r.returncode == 2 and "cannot listen on 127.0.0.1:" in r.stderr and "Traceback" not in r.stderr
         assert "loaded in" not in r.stderr and time.monotonic() - t0 < 60, r.stderr[-2000:]
+    from pagellm.server.launch import check_listen
+
+    for host in ("", "0.0.0.0", "127.0.0.1", "localhost"):  # "": every interface, as asyncio binds it
+        check_listen(host, 0)
     r = cli("serve", "--host", "no.such.host.invalid")
     assert r.returncode == 2 and "cannot listen on no.such.host.invalid" in r.stderr and "loaded in" not in r.stderr
     r = cli("serve", "--max-request-body-bytes", "abc")

@@ -82,7 +82,7 @@ def test_triton_paged_on_the_cpu_is_refused_before_anything_loads(monkeypatch):
     ("max_num_seqs", 0, "max_num_seqs must be >= 1"), ("max_num_batched_tokens", "x", "must be an integer"),
     ("max_prefill_tokens_while_decoding", -1, "must be >= 0"), ("block_size", 3, "block_size must be a power"),
     ("seed", "abc", "seed must be an integer"), ("seed", 2**70, "seed must be in"),
-    ("ngram_min", 0, "ngram_min must be in"), ("master_port", 99999, "master_port must be in"),
+    ("master_port", 99999, "master_port must be in"),
     ("device", "tpu", "device must be cpu, cuda"), ("enable_prefix_caching", "no", "must be True or False"),
     ("tensor_parallel_size", True, "tensor_parallel_size must be an integer"),
     ("draft_kv_cache_memory", 0, "draft_kv_cache_memory"), ("int8_activations", 1, "must be True or False"),
@@ -105,3 +105,14 @@ def test_swap_preemption_without_swap_space_is_refused():
     with pytest.raises(ValueError, match="needs swap_space > 0"):
         EngineArgs(preemption_mode="swap", swap_space=0)
     assert EngineArgs(preemption_mode="swap").swap_space > 0
+
+
+def test_engine_args_take_numpy_numbers_cpu_n_and_check_ngrams_only_for_ngram():
+    import numpy as np
+
+    args = EngineArgs(max_num_seqs=np.int64(8), enforce_eager=np.True_, device="cpu:0", ngram_max=1)
+    assert type(args.max_num_seqs) is int and args.max_num_seqs == 8 and args.enforce_eager is True
+    with pytest.raises(ValueError, match="ngram_min must be in"):
+        EngineArgs(speculative_method="ngram", ngram_min=0)
+    with pytest.raises(ValueError, match="ngram_max must be >= 1"):
+        EngineArgs(speculative_method="ngram", ngram_max=0)

@@ -227,6 +227,9 @@ def test_offline_api_inputs_of_the_wrong_shape_fail_clearly_and_leave_the_engine
             call()
         _assert_all_blocks_free(llm)
     assert SamplingParams(bad_words="abc").bad_words == ["abc"]  # one word, not three letters
+    gen = llm.generate([[5, 6, 7]], (p for p in [greedy]), use_tqdm=False)  # any iterable of params
+    assert gen[0].outputs[0].token_ids == before
+    assert llm.chat([]) == []
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.kind == "regex"
     text = next(t for t in ("a", "b", "x", "1") if max(llm.get_tokenizer().encode(t)) < 512)  # the tiny vocab
     assert llm.generate({"prompt": text}, greedy, use_tqdm=False)[0].prompt == text  # vLLM's TextPrompt

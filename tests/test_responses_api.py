@@ -236,9 +236,10 @@ def test_an_invalid_text_format_schema_names_text(server):
     ({"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "'input_text'"),
     ({"type": "message", "role": "robot", "content": "hi"}, "role"),
     ({"type": "reasoning", "summary": []}, "type"),
+    ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[0].call_id is required"),
 ])
 def test_an_input_item_error_says_what_in_the_item_is_wrong(server, item, words):
     r = httpx.post(server.url + "/v1/responses", timeout=60, json={"model": MODEL, "input": [item]})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "input" and words in err["message"], r.text
-    assert "valid string" not in err["message"]
+    assert "valid string" not in err["message"] and "Item" not in err["message"]  # no model class names

@@ -235,7 +235,8 @@ def test_a_text_part_without_its_text_is_a_400(server, part):
     assert r.status_code == 400 and "text content part" in r.json()["error"]["message"], r.text
 
 
-def test_a_logit_bias_key_is_plain_digits(server):
+@pytest.mark.parametrize("key", ["1_000", "--5", "+5", "5.0"])
+def test_a_logit_bias_key_is_plain_digits(server, key):
     r = httpx.post(server.url + "/v1/completions", timeout=60,
-                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"1_000": 1}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {key: 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text

@@ -23,11 +23,12 @@ def check_outputs(*paths: str | None) -> None:
             raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
         if os.path.isdir(path):
             raise ValueError(f"cannot write {path}: a directory")
-        try:  # a file made and removed, not os.access: root passes access() even on /proc
-            with tempfile.NamedTemporaryFile(dir=parent, prefix=".pagellm-check-"):
-                pass
+        try:  # opened or made, not os.access: root passes access() even on /proc
             if os.path.exists(path):
-                open(path, "a").close()  # appending nothing leaves it as it is
+                open(path, "a").close()  # appending nothing leaves it as it is (/dev/null too)
+            else:
+                with tempfile.NamedTemporaryFile(dir=parent, prefix=".pagellm-check-"):
+                    pass
         except OSError as e:
             raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
 

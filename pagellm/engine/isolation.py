@@ -23,6 +23,7 @@ import torch
 from pagellm.core.scheduler import ScheduledRequest
 from pagellm.engine.output_processor import RequestState
 from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.request import request_of
 from pagellm.sample.step import SampledToken, StepSampler
 
 logger = logging.getLogger("pagellm")
@@ -51,7 +52,7 @@ def sample_isolated(step_sampler: StepSampler, scheduled: list[ScheduledRequest]
             sampled.update(step_sampler([s], logits[row:row + n]))
         except Exception as e:
             failed[s.request.request_id] = f"sampling failed for this request: {type(e).__name__}: {e}"
-            logger.warning("request %s failed alone in sampling: %s: %s", s.request.request_id,
+            logger.warning("request %s failed alone in sampling: %s: %s", request_of(s.request.request_id),
                            type(e).__name__, e)
         row += n
     return sampled, failed

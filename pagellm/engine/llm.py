@@ -46,7 +46,8 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
-            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+            iterable = hasattr(sampling_params, "__iter__") and not isinstance(sampling_params, (dict, str))
+            params = list(sampling_params) if iterable else [sampling_params]
             if any(not isinstance(p, SamplingParams) for p in params):  # a dict would iterate as its keys
                 bad = next(p for p in params if not isinstance(p, SamplingParams))
                 raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
@@ -61,7 +62,8 @@ class LLM:
                 except (ValueError, TypeError) as e:
                     if len(prompts) == 1:
                         raise
-                    raise type(e)(f"prompt {i}: {e}") from None  # which one of the batch
+                    kind = TypeError if isinstance(e, TypeError) else ValueError
+                    raise kind(f"prompt {i}: {e}") from e  # which one of the batch
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: don't leave half a batch queued
             raise
@@ -69,17 +71,20 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        conversations = [messages] if isinstance(messages, list) and messages and isinstance(messages[0], dict) \
+        if isinstance(messages, (list, tuple)) and not messages:
+            return []
+        conversations = [messages] if isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) \
             else messages
-        if not isinstance(conversations, list) or not conversations or any(
-                not isinstance(c, list) or not c or any(not isinstance(m, dict) for m in c) for c in conversations):
+        if not isinstance(conversations, (list, tuple)) or any(
+                not isinstance(c, (list, tuple)) or not c or any(not isinstance(m, dict) for m in c)
+                for c in conversations):
             raise TypeError("messages must be a non-empty list of message dicts ({'role': ..., 'content': ...}), or "
                             "a list of such conversations")
         tok = self.engine.tokenizer
         prompts = []
         for c in conversations:
             try:
-                text = tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                text = tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)
             except jinja2.TemplateError as e:  # a message the template cannot render (no 'content', ...)
                 raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
             prompts.append(tok.encode(text, add_special_tokens=False))

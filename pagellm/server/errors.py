@@ -55,6 +55,13 @@ _SHAPES = {"prompt": "a string, a list of strings, a list of token ids or a list
            "stop": "a string or a list of strings", "tokens": "a list of token ids (integers)"}
 
 
+def _member(error: dict) -> tuple:
+    """The location of the union member (a model class, pydantic's capitalized location part) an error is in."""
+    loc = tuple(error.get("loc", ()))
+    at = next((i for i, part in enumerate(loc) if isinstance(part, str) and part[:1].isupper()), len(loc) - 1)
+    return loc[:at + 1]
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
@@ -62,9 +69,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     first = errors[0]
     top = first.get("loc", ())[:2]
     if len(errors) > 1 and top and top[-1] not in _SHAPES:
-        # a union's members each report; the one that got furthest into the value says what is wrong (a
-        # Responses input item's unknown part type, not "input: Input should be a valid string")
-        first = max((e for e in errors if e.get("loc", ())[:2] == top), key=lambda e: len(e.get("loc", ())))
+        # A union's members each report; the one that got furthest into the value says what is wrong (a
+        # Responses input item's unknown part type, not "input: Input should be a valid string"), leaving out
+        # members whose "type" tag did not match (the member whose tag matched knows the item).
+        same = [e for e in errors if e.get("loc", ())[:2] == top]
+        mismatched = {_member(e) for e in same
+                      if e.get("type") == "literal_error" and tuple(e["loc"]) == _member(e) + ("type",)}
+        tagged = [e for e in same if _member(e) not in mismatched]
+        if not any(len(e["loc"]) > len(top) + 1 for e in tagged):  # only a scalar member left (input: str)
+            tagged = same
+        first = max(tagged, key=lambda e: len(e.get("loc", ())))
     loc = [f"[{x}]" if isinstance(x, int) else str(x) for x in first.get("loc", ()) if x != "body"]
     if first.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
@@ -74,7 +88,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"request body: {first.get('msg')}")
     # Union members add their type name to the location (prompt.str, prompt.list[int]): keep only the
     # path a user wrote.
-    path = [p for p in loc if not re.fullmatch(r"[a-z_]+\[.*\]|str|int|float|bool|function-\w+", p)]
+    path = [p for p in loc if not re.fullmatch(r"[a-z_]+\[.*\]|str|int|float|bool|function-\w+|[A-Z]\w*", p)]
     field = path[0] if path else loc[0]
     where = ".".join(path).replace(".[", "[") or field
     if first.get("type") == "missing":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import os
@@ -152,13 +153,21 @@ def serve(ns: argparse.Namespace) -> int:
 
 
 def check_listen(host: str, port: int) -> None:
-    """ValueError unless a socket can listen on host:port now (as uvicorn will: SO_REUSEADDR). vLLM checks this
-    before it loads the model too; a port taken in between still fails in uvicorn's bind."""
+    """ValueError unless sockets can listen on host:port now, on every address it names, as asyncio's
+    create_server (uvicorn) binds them: SO_REUSEADDR, "" for all interfaces, addresses this machine lacks
+    skipped. vLLM checks this before it loads the model too; a port taken in between still fails in uvicorn."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in infos:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio: v4 binds alone
+                try:
+                    sock.bind(addr)
+                except OSError as e:
+                    if e.errno != errno.EADDRNOTAVAIL:  # asyncio skips those
+                        raise
     except OSError as e:  # socket.gaierror too
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 

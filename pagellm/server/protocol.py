@@ -7,6 +7,7 @@ as OpenAI does. Range checks are left to SamplingParams, whose errors name the f
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,10 +78,9 @@ class _SamplingRequest(StructuredOutputFields, _Body):
         if self.logit_bias:
             bias = {}
             for key, value in self.logit_bias.items():
-                text = key.strip() if isinstance(key, str) else ""
-                if not text.lstrip("-").isdecimal() or not text.isascii():  # int() also takes '1_000', ' 1'
+                if not isinstance(key, str) or not re.fullmatch(r"-?[0-9]+", key):  # int() also takes '1_000'
                     raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-                bias[int(text)] = value
+                bias[int(key)] = value
 
         def given(value, default):
             return default if value is None else value

@@ -9,7 +9,7 @@ import torch
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagellm.request import Request
+from pagellm.request import Request, request_of
 from pagellm.sample.sampler import Sampler, SamplingRow, sampling_probs
 from pagellm.spec_decode.ngram import propose_ngram
 
@@ -69,7 +69,8 @@ class _DraftSeq:
 def _no_drafts(req: Request, e: Exception) -> None:
     # Drafting is an optimisation: a request whose parameters break it is verified without (more) drafts,
     # and if those parameters also break the target's sampling, engine/isolation.py fails it alone.
-    logger.warning("draft model: request %s drafts no further (%s: %s)", req.request_id, type(e).__name__, e)
+    logger.warning("draft model: request %s drafts no further (%s: %s)", request_of(req.request_id),
+                   type(e).__name__, e)
 
 
 class DraftModelProposer(Proposer):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.request import request_of
+
 
 class GrammarError(RuntimeError):
     """A sequence's tokens left its grammar (e.g. allowed_token_ids or bad_words left no token the grammar
     allows). It concerns that request alone: `request_id` says which."""
 
     def __init__(self, request_id: str, message: str):
-        super().__init__(f"request {request_id}: {message}")
+        super().__init__(f"request {request_of(request_id)}: {message}")
         self.request_id = request_id
 
 
