@@ -35,6 +35,14 @@ def check_block_size(value: int, name: str) -> None:
         raise ValueError(f"{name} must be a power of two in [1, 256], got {value}")
 
 
+def check_ngram_bounds(n_min: int, n_max: int) -> None:
+    """The n-gram proposer's lengths (EngineArgs checks them before the load, the proposer when built)."""
+    if n_max < 1:
+        raise ValueError(f"ngram_max must be >= 1, got {n_max}")
+    if not 1 <= n_min <= n_max:
+        raise ValueError(f"ngram_min must be in [1, ngram_max={n_max}], got {n_min}")
+
+
 def parse_bytes(value: int | float | str) -> int:
     """Accept 2147483648, "2GiB", "512MiB", "1.5GB" and return a byte count."""
     if isinstance(value, bool):
@@ -337,14 +345,9 @@ class EngineArgs:
         if not -2**63 <= self.seed < 2**64:  # what torch.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         check_block_size(self.block_size, "block_size")
-        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_prefill_tokens_while_decoding", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        if self.speculative_method == "ngram":  # read only then (the proposer checks the same)
-            if self.ngram_max < 1:
-                raise ValueError(f"ngram_max must be >= 1, got {self.ngram_max}")
-            if not 1 <= self.ngram_min <= self.ngram_max:
-                raise ValueError(f"ngram_min must be in [1, ngram_max={self.ngram_max}], got {self.ngram_min}")
+        self.scheduler_config(self.max_model_len or 1)  # its own checks, now rather than after the load
+        if self.speculative_method == "ngram":  # read only then
+            check_ngram_bounds(self.ngram_min, self.ngram_max)
         if self.master_port is not None and not 0 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
         if self.attention_backend == "triton_paged" and not str(self.device).startswith("cuda") \

@@ -86,7 +86,7 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}")
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, (list, tuple, str if name == "stop" else list)):
+            if value is not None and not isinstance(value, (list, tuple)):  # a stop string is a list by now
                 raise ValueError(f"{name} must be a list, got {value!r}")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")

@@ -48,8 +48,8 @@ class LLM:
         else:
             iterable = hasattr(sampling_params, "__iter__") and not isinstance(sampling_params, (dict, str))
             params = list(sampling_params) if iterable else [sampling_params]
-            if any(not isinstance(p, SamplingParams) for p in params):  # a dict would iterate as its keys
-                bad = next(p for p in params if not isinstance(p, SamplingParams))
+            bad = next((p for p in params if not isinstance(p, SamplingParams)), None)  # a dict iterates its keys
+            if bad is not None:
                 raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
                                 f"{type(bad).__name__}")
             if len(params) != len(prompts):

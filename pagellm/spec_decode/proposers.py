@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.config import check_ngram_bounds
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagellm.request import Request, request_of
@@ -39,10 +40,7 @@ class Proposer:
 class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, max_model_len: int, n_min: int, n_max: int):
         super().__init__(num_speculative_tokens, max_model_len)
-        if n_max < 1:
-            raise ValueError(f"ngram_max must be >= 1, got {n_max}")
-        if not 1 <= n_min <= n_max:
-            raise ValueError(f"ngram_min must be in [1, ngram_max={n_max}], got {n_min}")
+        check_ngram_bounds(n_min, n_max)
         self.n_min, self.n_max = n_min, n_max
 
     def propose(self, running: list[Request]) -> None:
