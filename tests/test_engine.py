@@ -117,6 +117,59 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert out.token_ids == ids[:k + 1] and out.finish_reason == "stop" and out.stop_reason == ids[3]
 
 
+def _texts_by_tokens(llm, ids):
+    """The text after each number of tokens (index k: the first k), as the tokenizer decodes them."""
+    tok = llm.get_tokenizer()
+    return [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
+
+
+def test_a_stop_string_on_the_last_allowed_token_is_a_stop(llm):
+    ps = prompts(1, seed=9)
+    ids = greedy_ids(llm, ps)[0]
+    texts = _texts_by_tokens(llm, ids)
+    # a token whose text brings a character that the text before it lacks: the stop string there
+    k, c = next((k, c) for k in range(2, len(ids) + 1) for c in texts[k][len(texts[k - 1]):]
+                if not c.isspace() and c != "\ufffd" and c not in texts[k - 1])
+    out = llm.generate(ps, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, stop=[c]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == texts[k][:texts[k].index(c)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", c)  # was "length": max_tokens ended it too
+    assert_all_blocks_free(llm)
+
+
+def test_the_stop_token_text_is_left_out_unless_asked_for(llm):
+    ps = prompts(1, seed=9)
+    ids = greedy_ids(llm, ps)[0]
+    texts = _texts_by_tokens(llm, ids)
+    # the first token that is new to the output and whose text is whole characters
+    k = next(k for k in range(1, len(ids))
+             if ids[k] not in ids[:k] and "\ufffd" not in texts[k + 1][len(texts[k]) - 1:])
+    for include in (False, True):
+        out = llm.generate(ps, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[ids[k]],
+                                              include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ids[:k + 1]  # the token id stays, its text only with include_stop_str_in_output
+        assert out.text == texts[k + 1 if include else k]
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    ps = prompts(1, seed=8)
+    ids = greedy_ids(llm, ps)[0]
+    texts = _texts_by_tokens(llm, ids)
+    text = texts[-1]
+    # a character that first appears within the first m tokens' text and again after it
+    m, c = next((m, c) for m in range(1, len(ids)) for c in sorted(set(texts[m])) if not c.isspace() and c != "\ufffd"
+                and text.find(c, len(texts[m])) != -1)
+    later = text.find(c, len(texts[m]))
+    out = llm.generate(ps, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[c], min_tokens=m),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:later] and (out.finish_reason, out.stop_reason) == ("stop", c)
+    assert len(out.token_ids) > m
+    early = llm.generate(ps, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[c]),
+                         use_tqdm=False)[0].outputs[0]
+    assert early.text == text[:text.index(c)] and len(early.token_ids) <= m  # without min_tokens: the first one
+    assert_all_blocks_free(llm)
+
+
 def test_n_parallel_samples_and_per_prompt_params(llm):
     out = llm.generate(prompts(1, seed=10), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8),
                        use_tqdm=False)[0]

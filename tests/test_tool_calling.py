@@ -234,6 +234,14 @@ def test_required_tool_choice_gives_calls_sync_async_and_streaming(client, serve
            [(t.function.name, t.function.arguments) for t in expected]
 
 
+def test_a_required_call_cut_before_its_name_ends_streams_and_returns_alike(client):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=3, temperature=0.0)
+    c = client.chat.completions.create(**kw).choices[0]
+    assert (c.message.content, c.message.tool_calls, c.finish_reason) == ("", None, "length")  # was the raw JSON
+    content, calls, finish, _, _ = _accumulate(client.chat.completions.create(**kw, stream=True))
+    assert (content, calls, finish) == ("", [], "length")
+
+
 HERMES_CALL = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n'
                r'</tool_call>')
 

@@ -320,13 +320,18 @@ class LLMEngine:
             seq = state.seqs[0] if len(state.seqs) == 1 else next(s for s in state.seqs if s.request is req)
             infos = sampled[req.request_id].tokens
             start = before[req.request_id]
-            for j, token in enumerate(req.output_token_ids[start:]):
-                stop = seq.add_token(token, infos[j].logprob, infos[j].top_logprobs)
+            new_tokens = req.output_token_ids[start:]
+            for j, token in enumerate(new_tokens):
+                # the scheduler ends a sequence on its EOS / stop token id, always the step's last token
+                ended_by_token = j == len(new_tokens) - 1 and req.status == RequestStatus.FINISHED_STOPPED
+                stop = seq.add_token(token, infos[j].logprob, infos[j].top_logprobs, stop_token=ended_by_token)
                 self.stats.generation_tokens += 1
                 if stop is not None:
                     del req.output_token_ids[start + j + 1:]  # accepted drafts after a stop string
                     if not req.is_finished:
                         self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                    elif req.status == RequestStatus.FINISHED_LENGTH:  # a stop string on the last token allowed
+                        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop  # is a stop (vLLM's)
                     break
             if state.first_token_time is None:
                 state.first_token_time = now

@@ -24,11 +24,20 @@ class SequenceState:
         self.logprobs: list[dict[int, Logprob]] | None = [] if req.params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if req.params.logprobs is not None else None
         self._hold_back = max((len(s) for s in req.params.stop), default=1) - 1
+        self._num_tokens = 0
+        # The text of the first min_tokens tokens, where no stop string may end (vLLM's stop_check_offset).
+        self._stop_floor = 0
 
-    def add_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None) -> str | None:
-        """Append one token's text; returns the stop string if one now appears in the text."""
-        new_text = self.detok.step([token_id])
+    def add_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None,
+                  stop_token: bool = False) -> str | None:
+        """Append one token's text; returns the stop string if one now appears in the text. stop_token: the
+        token ended the sequence (EOS or a stop_token_ids entry): its text is left out unless
+        include_stop_str_in_output (vLLM's rule; the token id and its logprob stay)."""
+        new_text = "" if stop_token and not self.params.include_stop_str_in_output else self.detok.step([token_id])
         self.text += new_text
+        self._num_tokens += 1
+        if self._num_tokens <= self.params.min_tokens:
+            self._stop_floor = len(self.text)
         if self.logprobs is not None and logprob is not None:
             entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
                      for rank, (tid, lp) in enumerate(top or [])}
@@ -47,8 +56,8 @@ class SequenceState:
         # A stop string can only end inside the newest token's text plus what could precede it.
         window_start = max(0, len(self.text) - new_len - self._hold_back)
         best = None
-        for stop in p.stop:
-            pos = self.text.find(stop, window_start)
+        for stop in p.stop:  # one that ends within the first min_tokens tokens' text does not count
+            pos = self.text.find(stop, max(window_start, self._stop_floor - len(stop) + 1))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:

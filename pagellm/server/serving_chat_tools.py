@@ -101,8 +101,8 @@ class ToolPlan:
         if self.parser is None:
             return {"role": "assistant", "content": text}, finish_reason
         content, calls = self.parser.extract(text)
-        if not calls:
-            return {"role": "assistant", "content": text}, finish_reason
+        if not calls:  # a forced call cut before its name ends: what streaming sent (vLLM: "" and no calls)
+            return {"role": "assistant", "content": content if self.schema is not None else text}, finish_reason
         if not self.parallel:
             calls = calls[:1]
         message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
