@@ -137,18 +137,29 @@ def test_signal_with_32_open_streams_ends_each_and_exits_0(sig, tiny_path, smoll
                 sdk = [asyncio.ensure_future(sdk_stream(client, i, started)) for i in range(24, 32)]
                 await until_started(raw + sdk, started, "32 streams under way")
                 before = descendants(server.proc.pid)
+                # a load balancer's kept-alive connection: new ones are refused once the signal lands, this one
+                # keeps asking /health while the streams drain
+                probe = httpx.AsyncClient(base_url=server.url, timeout=5)
+                health = [(await probe.get("/health")).status_code]
                 t0 = time.monotonic()
                 server.proc.send_signal(sig)
+                for _ in range(50):
+                    health.append((await probe.get("/health")).status_code)
+                    if health[-1] != 200:
+                        break
+                    await asyncio.sleep(0.05)
+                await probe.aclose()
                 results = await asyncio.wait_for(asyncio.gather(*raw, *sdk), timeout=30)
             await client.close()
-            return results, before, t0
+            return results, before, t0, health
 
-        results, before, t0 = asyncio.run(main())
+        results, before, t0, health = asyncio.run(main())
         code = server.proc.wait(timeout=SHUTDOWN_TIMEOUT + 15)
         exited_after = time.monotonic() - t0
     finally:
         server.stop()
     assert code == 0, server.output()[-3000:]
+    assert health[0] == 200 and health[-1] == 503  # while it drained the open streams (was 200 until it exited)
     assert exited_after < SHUTDOWN_TIMEOUT + 10, exited_after
     for events in results[:24]:
         assert events[-1] == "data: [DONE]", events[-3:]

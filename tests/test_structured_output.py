@@ -111,6 +111,8 @@ def test_beam_search_keeps_every_beam_in_the_grammar(llm):
     (Spec(json={"type": "array", "uniqueItems": True}), {}, r"'uniqueItems': true at / is not supported"),
     (Spec(json={"type": "object"}, whitespace_pattern="[ ]+"), {}, r"whitespace_pattern .* must accept the empty"),
     (Spec(regex="a", whitespace_pattern=" *"), {}, r"whitespace_pattern applies only to JSON"),
+    (Spec(grammar="root ::= root"), {}, r"structured_outputs\.grammar: it matches no text"),  # was a 500 at sampling
+    (Spec(regex="[^\\x00-\\U0010FFFF]"), {}, r"structured_outputs\.regex: it matches no text"),
     (Spec(regex="a+"), {"ignore_eos": True}, r"^ignore_eos must be false with structured outputs"),
     (Spec(regex="a+"), {"min_tokens": 2, "max_tokens": 5}, r"^min_tokens must be 0 with structured outputs"),
 ])

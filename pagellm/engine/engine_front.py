@@ -65,6 +65,11 @@ class EngineFront:
         return self._task is not None and not self._task.done()
 
     @property
+    def is_accepting(self) -> bool:
+        """Running and taking new requests (False while a shutdown drains the in-flight ones)."""
+        return self._accepting and self.is_running
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -81,7 +86,7 @@ class EngineFront:
         raise NotImplementedError
 
     def _check_accepting(self) -> None:
-        if not self._accepting or not self.is_running:
+        if not self.is_accepting:
             raise EngineStoppedError("the server is shutting down and accepts no new requests")
 
     # ---- requests ------------------------------------------------------------------------------

@@ -106,8 +106,11 @@ async def remove_response(response_id: str, request: Request):
 @misc.get("/ping")  # vLLM's SageMaker health check, GET and POST
 @misc.post("/ping")
 async def health(request: Request):
-    if not _ctx(request).engine.is_running:
+    engine = _ctx(request).engine
+    if not engine.is_running:
         raise APIError(503, "the engine loop is not running", code="engine_dead")
+    if not engine.is_accepting:  # a shutdown drains the in-flight requests: load balancers should look elsewhere
+        raise APIError(503, "the server is shutting down", code="shutting_down")
     return Response(status_code=200)
 
 

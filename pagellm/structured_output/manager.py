@@ -103,6 +103,21 @@ class StructuredOutputManager:
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams, key: tuple):
+        compiled = self._compile_spec(spec, key)
+        if not self._can_start(compiled):  # e.g. "root ::= root": its first sample would fail in the engine
+            raise ValueError(f"structured_outputs.{spec.kind}: it matches no text (no token can start the output)")
+        return compiled
+
+    def _can_start(self, compiled) -> bool:
+        """Whether the grammar allows some first token (one step's mask, once per compiled spec)."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask)
+        return bool(mask.any())
+
+    def _compile_spec(self, spec: StructuredOutputsParams, key: tuple):
         kind = spec.kind
         compiler = self._get_compiler()
         try:
