@@ -10,6 +10,9 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+    # Where the token alone is not whole characters (a piece of a multi-byte one: decoded_token is then
+    # U+FFFD), the bytes it stands for, which OpenAI's chat logprobs report so that clients can join them.
+    token_bytes: bytes | None = None
 
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-N).

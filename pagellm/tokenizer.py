@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
@@ -44,6 +45,10 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs), strict=True))
+
+
+_BYTE_OF_SPELLING = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _byte_level_backend(md: dict) -> BackendTokenizer:
@@ -165,6 +170,7 @@ class Tokenizer:
             {"default": chat_template} if chat_template else {})
         self.chat_template: str | None = (self._templates.get("default")
                                           or next(iter(self._templates.values()), None))
+        self._decoder_types: frozenset[str] | None = None  # the decoder's steps, read once (token_bytes)
 
     # -- construction -----------------------------------------------------------------------------------
 
@@ -256,6 +262,29 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when they are a piece of a multi-byte character (which
+        decoding the token alone turns into U+FFFD): byte-level BPE's GPT-2 spelling of bytes, sentencepiece's
+        <0xNN> byte tokens and "▁" spaces; else (added tokens, other vocabularies) the decoded text."""
+        token = self.backend.id_to_token(token_id) or ""
+        decoder = self._decoder_kinds()
+        if "ByteLevel" in decoder and token and all(c in _BYTE_OF_SPELLING for c in token):
+            return bytes(_BYTE_OF_SPELLING[c] for c in token)
+        if "ByteFallback" in decoder:
+            byte = _BYTE_TOKEN.fullmatch(token)
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            if "\u2581" in token:
+                return token.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def _decoder_kinds(self) -> frozenset[str]:
+        kinds = self._decoder_types
+        if kinds is None:
+            state = json.loads(self.backend.decoder.__getstate__()) if self.backend.decoder is not None else {}
+            kinds = self._decoder_types = frozenset(s.get("type") for s in [state, *(state.get("decoders") or [])])
+        return kinds
 
     # -- chat -----------------------------------------------------------------------------------------------
 

@@ -228,6 +228,19 @@ def test_chat_greedy_equals_llm_chat_stream_and_not(client, llm):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_chat_logprob_bytes_join_into_multibyte_characters(client):
+    """A token that is a piece of a character shows as U+FFFD, and its `bytes` are the piece (OpenAI's; they
+    were the bytes of U+FFFD): joined, the content's UTF-8, streamed or not."""
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=40, logprobs=True, top_logprobs=1, temperature=0,
+              extra_body={"guided_choice": ["🙂 日本語 naïve"]})
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert any(t.token == "\ufffd" for t in content) and content[-1].token == "<|im_end|>"  # the end: EOS's entry
+    assert b"".join(bytes(t.bytes) for t in content[:-1]).decode() == "🙂 日本語 naïve"
+    streamed = [t for chunk in client.chat.completions.create(stream=True, **kw) for c in chunk.choices
+                if c.logprobs for t in c.logprobs.content]
+    assert [t.bytes for t in streamed] == [t.bytes for t in content]
+
+
 def test_chat_n_logprobs_and_seed(client):
     kw = dict(model=MODEL, messages=MESSAGES, n=3, seed=11, temperature=0.9, max_tokens=8, logprobs=True,
               top_logprobs=2, extra_body={"ignore_eos": True})

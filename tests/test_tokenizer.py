@@ -283,3 +283,14 @@ def test_incremental_detokenizer_sentencepiece_spaces(spm_gguf):
     assert "".join(deltas).startswith(" Hello")
     fresh = IncrementalDetokenizer(tok, [])
     assert "".join(fresh.step([i]) for i in ids) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("vocab", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize("text", STREAM_TEXTS[:3])
+def test_token_bytes_join_into_the_text(tok, spm_gguf, vocab, text):
+    """A token that is a piece of a multi-byte character decodes alone to U+FFFD; its bytes (OpenAI's logprobs
+    `bytes`) are the piece itself, so a client joining them gets the text back."""
+    t = tok if vocab == "byte-level" else Tokenizer.from_path(spm_gguf)
+    ids = t.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in t.decode([i]) for i in ids)  # some pieces are not whole characters
+    assert b"".join(t.token_bytes(i) for i in ids).decode() == (text if vocab == "byte-level" else " " + text)

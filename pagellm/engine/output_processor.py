@@ -39,15 +39,16 @@ class SequenceState:
         if self._num_tokens <= self.params.min_tokens:
             self._stop_floor = len(self.text)
         if self.logprobs is not None and logprob is not None:
-            entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
-                     for rank, (tid, lp) in enumerate(top or [])}
+            entry = {tid: self._logprob(tid, lp, rank + 1) for rank, (tid, lp) in enumerate(top or [])}
             if token_id not in entry:
-                entry = {token_id: Logprob(logprob, None, self.tokenizer.decode([token_id],
-                                                                               skip_special_tokens=False)),
-                         **entry}
+                entry = {token_id: self._logprob(token_id, logprob, None), **entry}
             self.logprobs.append(entry)
             self.cumulative_logprob += logprob
         return self._find_stop(len(new_text))
+
+    def _logprob(self, token_id: int, logprob: float, rank: int | None) -> Logprob:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return Logprob(logprob, rank, text, self.tokenizer.token_bytes(token_id) if "\ufffd" in text else None)
 
     def _find_stop(self, new_len: int) -> str | None:
         p: SamplingParams = self.params

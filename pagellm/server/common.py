@@ -246,7 +246,9 @@ def completion_logprobs(entries: list[tuple[int, dict[int, Logprob]]], text_offs
 def chat_logprobs(entries: list[tuple[int, dict[int, Logprob]]], top_n: int, as_ids: bool = False) -> dict:
     def item(tid: int, lp: Logprob) -> dict:
         token = token_text(tid, lp, as_ids)
-        return {"token": token, "logprob": _lp(lp.logprob), "bytes": list(token.encode())}
+        # a piece of a multi-byte character: its own bytes (OpenAI's), so that a client can join them
+        raw = lp.token_bytes if lp.token_bytes is not None and not as_ids else token.encode()
+        return {"token": token, "logprob": _lp(lp.logprob), "bytes": list(raw)}
 
     content = []
     for tid, entry in entries:
