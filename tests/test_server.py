@@ -210,6 +210,29 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": [{"type": "text", "text": "Say something."}]}]
 
 
+def test_llm_chat_takes_vllm_s_templating_arguments(client, llm):
+    """LLM.chat as vLLM's: continue_final_message (the same output as the server's), a chat_template with
+    chat_template_kwargs and tools reaching it; each output's prompt is the rendered text (it was None)."""
+    msgs = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "Well,"}]
+    p = SamplingParams(temperature=0.0, max_tokens=8)
+    out = llm.chat(msgs, p, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == llm.get_tokenizer().apply_chat_template(msgs, add_generation_prompt=False,
+                                                                 continue_final_message=True)
+    assert out.prompt.endswith("Well,")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0.0, max_tokens=8,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert r.choices[0].message.content == out.outputs[0].text
+    custom = "{% for m in messages %}{{ m['content'] }}|{{ greeting }}|{{ tools[0]['function']['name'] }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat(msgs[:1], p, use_tqdm=False, chat_template=custom, chat_template_kwargs={"greeting": "hi"},
+                   tools=tools)[0]
+    assert out.prompt == "Say something.|hi|get_weather"
+    with pytest.raises(ValueError, match="chat_template_kwargs must not set tools"):
+        llm.chat(msgs[:1], p, chat_template_kwargs={"tools": []})
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(msgs, p, continue_final_message=True)  # add_generation_prompt stays True by default
+
+
 def test_chat_greedy_equals_llm_chat_stream_and_not(client, llm):
     expected = llm.chat([{"role": "system", "content": "You are terse."},
                          {"role": "user", "content": "Say something."}],

@@ -70,7 +70,12 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation rendered by the model's chat template (or `chat_template`, with
+        `tools` and `chat_template_kwargs` passed to it), then generated; each output's `prompt` is the
+        rendered text."""
         if isinstance(messages, (list, tuple)) and not messages:
             return []
         conversations = [messages] if isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) \
@@ -80,15 +85,24 @@ class LLM:
                 for c in conversations):
             raise TypeError("messages must be a non-empty list of message dicts ({'role': ..., 'content': ...}), or "
                             "a list of such conversations")
+        kwargs = dict(chat_template_kwargs or {})
+        clash = sorted(set(kwargs) & {"messages", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "chat_template"})
+        if clash:
+            raise ValueError(f"chat_template_kwargs must not set {', '.join(clash)}: pass them as arguments")
         tok = self.engine.tokenizer
-        prompts = []
+        texts = []
         for c in conversations:
             try:
-                text = tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)
+                texts.append(tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt,
+                                                     tools=tools, continue_final_message=continue_final_message,
+                                                     chat_template=chat_template, **kwargs))
             except jinja2.TemplateError as e:  # a message the template cannot render (no 'content', ...)
                 raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
-            prompts.append(tok.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
+        for out, text in zip(outs, texts, strict=True):
+            out.prompt = text
+        return outs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
