@@ -1,5 +1,6 @@
 """Engine behaviour on a tiny random Llama: batching invariance, preemption, stops, seeds, bad input."""
 
+import collections
 import os
 import random
 
@@ -167,6 +168,39 @@ def test_stop_strings_wait_for_min_tokens(llm):
     early = llm.generate(ps, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[c]),
                          use_tqdm=False)[0].outputs[0]
     assert early.text == text[:text.index(c)] and len(early.token_ids) <= m  # without min_tokens: the first one
+    assert_all_blocks_free(llm)
+
+
+def test_finish_reasons_are_counted_per_sample(llm):
+    """An n > 1 request's samples are counted by their own finish reasons (request_success_total), as vLLM
+    does; it was once per request, by the first sample's reason."""
+    ps = prompts(2, seed=11)
+    free = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    first = llm.generate(ps, free, use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, stop_token_ids=[first[2]])
+    before = dict(llm.engine.stats.finished)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    reasons = collections.Counter(c.finish_reason for o in outs for c in o.outputs)
+    assert reasons["stop"] >= 1 and sum(reasons.values()) == 6
+    assert {k: v - before.get(k, 0) for k, v in llm.engine.stats.finished.items() if v != before.get(k, 0)} == \
+        dict(reasons)
+
+
+def test_prompt_tokens_count_once_prefilled(make_llm):
+    """prompt_tokens ("prefill tokens processed") counts a prompt once its prefill produced an output, not at
+    admission: a request aborted while it waited adds nothing."""
+    llm = make_llm(max_num_seqs=1)
+    engine = llm.engine
+    first, second = prompts(2, seed=12)
+    engine.add_request("first", first, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("second", second, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.stats.prompt_tokens == 0
+    engine.step()  # max_num_seqs 1: the first is prefilled, the second waits
+    assert engine.stats.prompt_tokens == len(first)
+    engine.abort_request("second")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats.prompt_tokens == len(first)
     assert_all_blocks_free(llm)
 
 

@@ -194,7 +194,6 @@ class LLMEngine:
             self._seq_to_request[seq_id] = request_id
             seqs.append(SequenceState(i, req, self.tokenizer))
         self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, seqs, arrival_time)
-        self.stats.prompt_tokens += len(prompt_ids)
         return request_id
 
     def _add_beam_request(self, request_id, prompt_text, prompt_ids, params, arrival_time, cache_salt) -> None:
@@ -210,7 +209,6 @@ class LLMEngine:
         self._seq_to_request[leader.request_id] = request_id
         self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, [], arrival_time,
                                                  beam=group, tokenizer=self.tokenizer)
-        self.stats.prompt_tokens += len(prompt_ids)
 
     def _advance_beams(self, sched_out, sampled) -> list[RequestState]:
         """Record beam candidates; expand every group whose live beams all have them."""
@@ -287,7 +285,7 @@ class LLMEngine:
             self.scheduler.abort_requests([r.request_id for r in live])
             for r in live:
                 self._seq_to_request.pop(r.request_id, None)
-            self._count_finished(RequestStatus.FINISHED_ABORTED.value)
+            self._count_samples(state, RequestStatus.FINISHED_ABORTED.value)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -338,6 +336,9 @@ class LLMEngine:
             touched[rid] = state
         outputs = errored
         for rid, state in touched.items():
+            if not state.prompt_counted:  # prefilled: its prompt counts (not one aborted while it waited)
+                state.prompt_counted = True
+                self.stats.prompt_tokens += len(state.prompt_token_ids)
             outputs.append(state.output())
             if state.finished:
                 self._finish(rid, state)
@@ -389,7 +390,7 @@ class LLMEngine:
             self.stats.generation_tokens += sum(len(c.token_ids) for c in outs)
             self._count_finished(outs[0].finish_reason if outs else "abort")
         else:
-            self._count_finished(state.seqs[0].request.finish_reason or "abort")
+            self._count_samples(state, RequestStatus.FINISHED_ABORTED.value)
 
     def _fail(self, failed: dict[str, str]) -> list[RequestOutput]:
         """Finish each request a failed sequence belongs to (all its sequences: they share its
@@ -406,8 +407,12 @@ class LLMEngine:
                     self.scheduler.finish_request(r, RequestStatus.FINISHED_ERROR)
             n = state.beam.params.n if state.beam is not None else len(state.seqs)
             outputs.append(error_output(state, message, n))
-            self._count_finished(RequestStatus.FINISHED_ERROR.value)
+            self._count_samples(state, RequestStatus.FINISHED_ERROR.value)
         return outputs
+
+    def _count_samples(self, state: RequestState, unfinished: str) -> None:
+        for reason in state.finish_reasons(unfinished):
+            self._count_finished(reason)
 
     def _count_finished(self, reason: str) -> None:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -90,6 +90,7 @@ class RequestState:
         self.seqs = seqs
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        self.prompt_counted = False  # in the engine's prompt_tokens, once its prefill produced an output
         self.beam = beam
         self.tokenizer = tokenizer
         source = seqs[0].request if seqs else beam.beams[0][0]
@@ -107,6 +108,13 @@ class RequestState:
         if self.beam is not None:
             return self.beam.done
         return all(s.request.is_finished for s in self.seqs)
+
+    def finish_reasons(self, unfinished: str) -> list[str]:
+        """What request_success counts: each of n samples by its own finish reason (`unfinished` for one still
+        running), as vLLM counts an n > 1 request's samples; a beam search once."""
+        if self.beam is not None:
+            return [unfinished]
+        return [s.request.finish_reason if s.request.is_finished else unfinished for s in self.seqs]
 
     def output(self) -> RequestOutput:
         if self.beam is not None:
