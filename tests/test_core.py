@@ -195,6 +195,24 @@ def test_prefix_cache_hit_reuses_blocks_and_leaves_last_token():
     assert hit == [0] and n == 4
 
 
+def test_prefix_lookups_count_once_per_admission():
+    """The hit-rate statistics count a request's lookup when it is admitted: one that waits for blocks looks
+    up at every step (it had been counted at each, overstating queries and hits)."""
+    sched, kv = make_sched(num_blocks=6, block_size=4, budget=64, caching=True)
+    a = make_req("a", 17, max_tokens=1)  # 5 blocks of 6
+    sched.add_request(a)
+    sched.schedule()
+    assert (kv.prefix_queries, kv.prefix_hits) == (17, 0)
+    b = make_req("b", 9, max_tokens=1, first_token=100)  # needs 3 blocks: waits while a holds 5
+    sched.add_request(b)
+    for _ in range(3):
+        assert b not in [s.request for s in sched.schedule().scheduled]
+    assert (kv.prefix_queries, kv.prefix_hits) == (17, 0)
+    sched.finish_request(a, RequestStatus.FINISHED_LENGTH)
+    assert b in [s.request for s in sched.schedule().scheduled]
+    assert (kv.prefix_queries, kv.prefix_hits) == (17 + 9, 0)
+
+
 def test_prompts_beside_decodes_take_the_prefill_allowance_unless_a_backlog_waits():
     kv = KVCacheManager(256, 16)
     sched = Scheduler(SchedulerConfig(16, 2048, 4096, True, max_prefill_tokens_while_decoding=256), kv)

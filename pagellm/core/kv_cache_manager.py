@@ -62,11 +62,7 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached chain of full blocks for a request that holds none yet.
         The last token is always left to compute, so its logits exist."""
-        if not self.enable_caching or req.request_id in self.req_blocks or req.request_id in self.req_host_blocks:
-            return [], 0
-        if req.params.prompt_logprobs is not None and not req.output_token_ids:
-            # Prompt logprobs need the logits of every prompt position, which cached KV does not keep: such
-            # a request recomputes its prompt (and still publishes its blocks for others).
+        if not self._looks_up(req) or req.request_id in self.req_blocks or req.request_id in self.req_host_blocks:
             return [], 0
         hashes = self._hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
@@ -76,9 +72,19 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit.append(block_id)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def record_prefix_lookup(self, req: Request, num_hit_tokens: int) -> None:
+        """Counts a lookup in the hit-rate statistics once its request was admitted: a request that waits
+        looks up again at every step, and counting each attempt had overstated queries and hits."""
+        if self._looks_up(req):
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += num_hit_tokens
+
+    def _looks_up(self, req: Request) -> bool:
+        # Prompt logprobs need the logits of every prompt position, which cached KV does not keep: such a
+        # request recomputes its prompt (and still publishes its blocks for others).
+        return self.enable_caching and not (req.params.prompt_logprobs is not None and not req.output_token_ids)
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> list[int] | None:

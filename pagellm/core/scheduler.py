@@ -195,6 +195,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
                     break
+                self.kv_cache.record_prefix_lookup(req, num_hit_tokens)
                 req.num_computed_tokens = num_hit_tokens
             self.waiting.popleft()
             num_seqs += req.num_seqs
