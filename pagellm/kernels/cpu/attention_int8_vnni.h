@@ -47,8 +47,10 @@ inline void round_query(const float* q, int D, QueryCodes& c) {
     c.bias = 128 * total;
 }
 
-// r[i] (key i's 16 dwords) -> r[j] (dword j of keys 0..15, key i in lane i).
-inline void transpose16(__m512i* r) {
+// r[i] (key i's 16 dwords) -> r[j] (dword j of keys 0..15, key i in lane i). Inlined by force: GCC had kept it
+// out of line, its 16 vectors stored and reloaded around every call (decode attention 1.03-1.07x inlined,
+// benchmarks/NOTES.md, twenty-sixth session).
+__attribute__((always_inline)) inline void transpose16(__m512i* r) {
     __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
