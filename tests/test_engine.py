@@ -204,6 +204,24 @@ def test_prompt_tokens_count_once_prefilled(make_llm):
     assert_all_blocks_free(llm)
 
 
+def test_the_sampled_token_has_its_rank_outside_the_top_n(llm):
+    """A sampled token outside the top-N logprobs carries its rank among all of them (vLLM's; it was None)."""
+    ps = prompts(2, seed=13)
+    outs = llm.generate(ps, SamplingParams(temperature=2.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=2),
+                        use_tqdm=False)
+    ranks = []
+    for c in (o.outputs[0] for o in outs):
+        for tid, entry in zip(c.token_ids, c.logprobs, strict=True):
+            above = sum(1 for t, e in entry.items() if t != tid and e.logprob > entry[tid].logprob)
+            assert entry[tid].rank >= 1 and above == min(entry[tid].rank - 1, 2)
+            ranks.append(entry[tid].rank)
+    assert max(ranks) > 2  # some sampled tokens lie outside the top 2
+    greedy = llm.generate(ps, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0),
+                          use_tqdm=False)
+    assert all(e[t].rank == 1 for o in greedy
+               for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True))
+
+
 def test_n_parallel_samples_and_per_prompt_params(llm):
     out = llm.generate(prompts(1, seed=10), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8),
                        use_tqdm=False)[0]

@@ -322,7 +322,7 @@ class LLMEngine:
             for j, token in enumerate(new_tokens):
                 # the scheduler ends a sequence on its EOS / stop token id, always the step's last token
                 ended_by_token = j == len(new_tokens) - 1 and req.status == RequestStatus.FINISHED_STOPPED
-                stop = seq.add_token(token, infos[j].logprob, infos[j].top_logprobs, stop_token=ended_by_token)
+                stop = seq.add_token(token, infos[j].logprob, infos[j].top_logprobs, ended_by_token, infos[j].rank)
                 self.stats.generation_tokens += 1
                 if stop is not None:
                     del req.output_token_ids[start + j + 1:]  # accepted drafts after a stop string

@@ -29,7 +29,7 @@ class SequenceState:
         self._stop_floor = 0
 
     def add_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None,
-                  stop_token: bool = False) -> str | None:
+                  stop_token: bool = False, rank: int | None = None) -> str | None:
         """Append one token's text; returns the stop string if one now appears in the text. stop_token: the
         token ended the sequence (EOS or a stop_token_ids entry): its text is left out unless
         include_stop_str_in_output (vLLM's rule; the token id and its logprob stay)."""
@@ -41,7 +41,7 @@ class SequenceState:
         if self.logprobs is not None and logprob is not None:
             entry = {tid: self._logprob(tid, lp, rank + 1) for rank, (tid, lp) in enumerate(top or [])}
             if token_id not in entry:
-                entry = {token_id: self._logprob(token_id, logprob, None), **entry}
+                entry = {token_id: self._logprob(token_id, logprob, rank), **entry}  # outside the top-N
             self.logprobs.append(entry)
             self.cumulative_logprob += logprob
         return self._find_stop(len(new_text))

@@ -44,6 +44,7 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # raw logprob of each row's sampled token; None if no row asked
     top_logprobs: list[TopLogprobs | None] | None  # per row: top-N when params.logprobs is set
+    ranks: list[int] | None = None  # the sampled token's rank among the raw logprobs (vLLM's: 1 + those above)
 
 
 class Sampler:
@@ -76,8 +77,9 @@ class Sampler:
         token_ids = tokens.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None)
-        sampled_lp = raw_logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        return SamplerOutput(token_ids, sampled_lp, _top_logprobs(raw_logprobs, rows))
+        chosen = raw_logprobs.gather(1, tokens[:, None])
+        return SamplerOutput(token_ids, chosen.squeeze(1).tolist(), _top_logprobs(raw_logprobs, rows),
+                             logprob_ranks(raw_logprobs, chosen))
 
     def process(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """fp32 copy of `logits` after logit_bias, min_tokens and penalties; the input is left untouched."""
@@ -251,6 +253,11 @@ def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         _apply_min_p(x, to_device([p.min_p for p in params], dev))
 
     return x.softmax(dim=-1)
+
+
+def logprob_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> list[int]:
+    """Each row's chosen token's rank: 1 + the number of tokens with a larger logprob (chosen: [rows, 1])."""
+    return ((logprobs > chosen).sum(dim=1) + 1).tolist()
 
 
 def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[TopLogprobs | None]:

@@ -16,7 +16,7 @@ from pagellm.platforms.base import to_device
 from pagellm.sample.beam import beam_candidates
 from pagellm.sample.logprobs import argmax_rows, log_softmax
 from pagellm.sample.rejection import verify, verify_greedy
-from pagellm.sample.sampler import Sampler, SamplingRow, sampling_probs
+from pagellm.sample.sampler import Sampler, SamplingRow, logprob_ranks, sampling_probs
 from pagellm.structured_output import StructuredOutputManager, apply_grammar_masks
 
 
@@ -25,6 +25,7 @@ class SampledToken:
     token_id: int | None  # None for a beam-search row, which returns candidates instead
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None  # the token's rank among the raw logprobs, when logprobs are asked for
     beam_candidates: list[tuple[int, float]] | None = None  # (token, logprob), best first
     accepted: list[SampledToken] = field(default_factory=list)  # verified draft tokens before this one
 
@@ -71,7 +72,8 @@ class StepSampler:
             sampled[req.request_id] = SampledToken(
                 result.token_ids[j],
                 result.logprobs[j] if result.logprobs is not None else None,
-                result.top_logprobs[j] if result.top_logprobs is not None else None)
+                result.top_logprobs[j] if result.top_logprobs is not None else None,
+                result.ranks[j] if result.ranks is not None else None)
         return sampled
 
     def _verify(self, scheduled: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, SampledToken]:
@@ -116,11 +118,12 @@ class StepSampler:
             results = [SampledToken(t) for t in tokens]
         else:  # one copy to the host for each of the chosen and top logprobs (not one per token)
             lp = log_softmax(logits[:len(tokens)])
-            chosen = lp.gather(1, to_device(tokens, lp.device)[:, None]).squeeze(1).tolist()
+            picked = lp.gather(1, to_device(tokens, lp.device)[:, None])
+            chosen, ranks = picked.squeeze(1).tolist(), logprob_ranks(lp, picked)
             top = lp.topk(want, dim=-1) if want else None
             top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else (None, None)
             results = [SampledToken(t, chosen[j], list(zip(top_ids[j], top_lps[j], strict=True))
-                                    if top is not None else [])
+                                    if top is not None else [], ranks[j])
                        for j, t in enumerate(tokens)]
         last = results[-1]
         last.accepted = results[:-1]
