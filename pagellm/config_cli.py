@@ -61,10 +61,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="prompt tokens per step beside running decodes while few requests wait, which bounds "
                         f"the decodes' inter-token latency (default {d.max_prefill_tokens_while_decoding}; "
                         "0: the whole step budget)")
-    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                   help="prefill each prompt in one step instead of in budget-sized chunks")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn off reuse of cached KV blocks for shared prompt prefixes (on by default)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill,
+                   help="prefill a long prompt in budget-sized chunks beside other requests' decodes (default); "
+                        "--no-enable-chunked-prefill (or --no-chunked-prefill) prefills each prompt in one step")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help=argparse.SUPPRESS)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
+                   help="reuse cached KV blocks for shared prompt prefixes (default); --no-enable-prefix-caching "
+                        "turns it off")
     g.add_argument("--prefault-kv-cache", action="store_true",
                    help="CPU: make the whole KV cache resident at start (no page faults inside the first "
                         "steps; the whole --kv-cache-memory resident from the start) instead of block by block")

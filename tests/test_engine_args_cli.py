@@ -34,6 +34,9 @@ def test_every_flag_reaches_its_field():
     assert not args.packed_weights_only and args.int8_activations and args.num_threads == 2
     # int8 activations: None leaves the choice to the platform (under --dtype auto), False refuses them
     assert parse().int8_activations is None and parse("--no-int8-activations").int8_activations is False
+    # vLLM's spellings of the two defaults that are on, both ways ("--enable-prefix-caching" had been refused)
+    assert parse("--enable-prefix-caching", "--enable-chunked-prefill") == EngineArgs()
+    assert not parse("--no-enable-chunked-prefill").enable_chunked_prefill
 
 
 def test_from_cli_args_ignores_other_attributes():
