@@ -222,6 +222,29 @@ def test_the_sampled_token_has_its_rank_outside_the_top_n(llm):
                for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True))
 
 
+def test_n_greedy_samples_are_one_sequence_reported_n_times(llm):
+    """Greedy samples are one sample: computed once, reported n times (they were n sequences, whose first tokens
+    could part under --dtype auto: a sibling recomputes the last prompt token in a step of another size)."""
+    engine, ps = llm.engine, prompts(2, seed=14)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    engine.add_request("g", ps[0], params)
+    assert len(engine.requests["g"].seqs) == 1 and len(engine.scheduler.waiting) == 1
+    tokens, finished = engine.stats.generation_tokens, dict(engine.stats.finished)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    (out,) = outs
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == out.outputs[0].token_ids and c.text == out.outputs[0].text for c in out.outputs)
+    assert engine.stats.generation_tokens - tokens == 3 * 6  # as many as the outputs hold
+    assert engine.stats.finished["length"] - finished.get("length", 0) == 3
+    assert out.outputs[0].token_ids == greedy_ids(llm, ps[:1], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                               ignore_eos=True))[0]
+    sampled = llm.generate(ps[:1], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6), use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1  # sampled ones stay n sequences
+    assert_all_blocks_free(llm)
+
+
 def test_n_parallel_samples_and_per_prompt_params(llm):
     out = llm.generate(prompts(1, seed=10), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8),
                        use_tqdm=False)[0]

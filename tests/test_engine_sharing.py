@@ -47,14 +47,21 @@ def test_prefix_caching_on_and_off_give_identical_greedy_output(make_llm):
     assert_idle(cached)
 
 
-def test_n_children_at_temperature_zero_equal_n_1_and_share_the_prompt(make_llm):
+def test_n_children_equal_n_1_runs_with_their_seeds_and_share_the_prompt(make_llm):
+    """n seeded samples fork from the first's prompt blocks (copy-on-write of the partial last block); sample i
+    equals an n = 1 run with seed + i. Greedy samples are one sequence reported n times (no fork)."""
     llm = make_llm(enable_prefix_caching=False)
     prompt = shared_prefix_prompts(1, prefix_len=45)[0]  # 45 tokens: the fork shares a partial block
+    sampled = dict(temperature=1.0, max_tokens=30, ignore_eos=True)
+    singles = [ids(llm.generate([prompt], SamplingParams(seed=5 + i, **sampled), use_tqdm=False))[0]
+               for i in range(4)]
+    out = llm.generate([prompt], SamplingParams(n=4, seed=5, **sampled), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == singles and len({tuple(t) for t in singles}) > 1
+    assert llm.engine.kv_cache.num_cow_copies >= 3
     single = ids(llm.generate([prompt], PARAMS, use_tqdm=False))[0]
     out = llm.generate([prompt], SamplingParams(n=4, temperature=0.0, max_tokens=30, ignore_eos=True),
                        use_tqdm=False)[0]
     assert [c.token_ids for c in out.outputs] == [single] * 4
-    assert llm.engine.kv_cache.num_cow_copies >= 3
     assert_idle(llm)
 
 

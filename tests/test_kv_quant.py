@@ -192,9 +192,12 @@ def test_prefix_cache_forks_and_beams_carry_quantized_blocks(make_llm, name):
     assert greedy_ids(llm, prompts[:1]) == alone[:1]
     assert greedy_ids(llm, prompts[1:]) == alone[1:]
     assert llm.engine.kv_cache.prefix_hits >= 32
-    two = llm.generate(prompts[:1], SamplingParams(n=2, temperature=0.0, max_tokens=24, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert [c.token_ids for c in two.outputs] == [alone[0], alone[0]]
+    sampled = dict(temperature=1.0, max_tokens=24, ignore_eos=True)  # seeded: n = 2 forks (greedy would not)
+    two = llm.generate(prompts[:1], SamplingParams(n=2, seed=3, **sampled), use_tqdm=False)[0]
+    solo = make_llm(kv_cache_dtype=name, enable_prefix_caching=False)
+    assert [c.token_ids for c in two.outputs] == [
+        solo.generate(prompts[:1], SamplingParams(seed=3 + i, **sampled), use_tqdm=False)[0].outputs[0].token_ids
+        for i in range(2)]
     beam = SamplingParams(use_beam_search=True, beam_width=3, max_tokens=12, ignore_eos=True)
     ref = make_llm(kv_cache_dtype=name, attention_backend="torch_sdpa_reference", enable_prefix_caching=False)
     want = [c.token_ids for c in ref.generate(prompts[:1], beam, use_tqdm=False)[0].outputs]

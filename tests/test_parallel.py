@@ -85,7 +85,7 @@ def test_engine_features_under_tp2_and_pp2_match_one_rank(tiny_hf_model, smollm_
     shared = list(range(40, 72))
     prompts = [shared + [5, 6], shared + [7, 8, 9], list(range(100, 190)), [3, 4, 5, 3, 4, 5, 3, 4]]
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    fork = SamplingParams(max_tokens=10, temperature=0.0, n=2, ignore_eos=True)
+    fork = SamplingParams(max_tokens=10, temperature=1.0, seed=4, n=2, ignore_eos=True)  # seeded: greedy would not fork
     beam = SamplingParams(max_tokens=8, use_beam_search=True, beam_width=2, ignore_eos=True)
     # 160 tokens of KV on every side (--kv-cache-memory is per rank, and a rank holds half the heads or
     # half the layers): fewer than the batch needs

@@ -71,7 +71,7 @@ def ids(outs):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_identity_in_mixed_batches_with_preemption(tiny, draft_dir, smollm_gguf_path, method):
     ps = repetitive_prompts(10) + [[random.Random(i).randrange(3, 512) for _ in range(90)] for i in range(4)]
-    params = [GREEDY] * 12 + [SamplingParams(n=2, temperature=0, max_tokens=25, ignore_eos=True)] * 2
+    params = [GREEDY] * 12 + [SamplingParams(n=2, temperature=0, max_tokens=25, ignore_eos=True)] * 2  # one seq each
     expected = ids(make(tiny, smollm_gguf_path).generate(ps, params, use_tqdm=False))
     extra = {"draft_model": draft_dir} if method == "draft" else {}
     # A budget of 40 blocks of 8 tokens makes the batch preempt; a small step budget mixes prefill chunks.

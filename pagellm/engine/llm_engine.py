@@ -183,7 +183,10 @@ class LLMEngine:
             self._add_beam_request(request_id, prompt_text, prompt_ids, params, arrival_time, cache_salt)
             return request_id
         seqs: list[SequenceState] = []
-        for i in range(params.n):
+        # n greedy samples are one sample: computed once and reported n times (a sibling's first token, recomputed
+        # in a step of another size, could part from the leader's under --dtype auto)
+        copies = params.n if params.greedy and params.n > 1 else 1
+        for i in range(params.n // copies):
             # Always suffixed, n = 1 too: what follows the last '#' never holds one, so no request's id can equal
             # another's sequence (a request 'a#1' beside 'a' with n = 2 had shared a scheduler id).
             seq_id = f"{request_id}#{i}"
@@ -193,7 +196,8 @@ class LLMEngine:
             self.scheduler.add_request(req, fork_of=seqs[0].request if seqs else None)
             self._seq_to_request[seq_id] = request_id
             seqs.append(SequenceState(i, req, self.tokenizer))
-        self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, seqs, arrival_time)
+        self.requests[request_id] = RequestState(request_id, prompt_text, prompt_ids, seqs, arrival_time,
+                                                 copies=copies)
         return request_id
 
     def _add_beam_request(self, request_id, prompt_text, prompt_ids, params, arrival_time, cache_salt) -> None:
@@ -323,7 +327,7 @@ class LLMEngine:
                 # the scheduler ends a sequence on its EOS / stop token id, always the step's last token
                 ended_by_token = j == len(new_tokens) - 1 and req.status == RequestStatus.FINISHED_STOPPED
                 stop = seq.add_token(token, infos[j].logprob, infos[j].top_logprobs, ended_by_token, infos[j].rank)
-                self.stats.generation_tokens += 1
+                self.stats.generation_tokens += state.copies
                 if stop is not None:
                     del req.output_token_ids[start + j + 1:]  # accepted drafts after a stop string
                     if not req.is_finished:
@@ -405,7 +409,7 @@ class LLMEngine:
                 self._seq_to_request.pop(r.request_id, None)
                 if not r.is_finished:
                     self.scheduler.finish_request(r, RequestStatus.FINISHED_ERROR)
-            n = state.beam.params.n if state.beam is not None else len(state.seqs)
+            n = state.beam.params.n if state.beam is not None else len(state.seqs) * state.copies
             outputs.append(error_output(state, message, n))
             self._count_samples(state, RequestStatus.FINISHED_ERROR.value)
         return outputs

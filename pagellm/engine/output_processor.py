@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagellm.engine.beam_search import BeamSearchGroup
 from pagellm.engine.prompt_logprobs import PromptLogprobsState
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -83,8 +85,9 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  seqs: list[SequenceState], arrival_time: float, beam: BeamSearchGroup | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, copies: int = 1):
         self.request_id = request_id
+        self.copies = copies  # n greedy samples: one sequence, reported n times
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.seqs = seqs
@@ -114,14 +117,16 @@ class RequestState:
         running), as vLLM counts an n > 1 request's samples; a beam search once."""
         if self.beam is not None:
             return [unfinished]
-        return [s.request.finish_reason if s.request.is_finished else unfinished for s in self.seqs]
+        return [s.request.finish_reason if s.request.is_finished else unfinished for s in self.seqs] * self.copies
 
     def output(self) -> RequestOutput:
         if self.beam is not None:
             return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self._beam_outputs(),
                                  self.finished, prompt_logprobs=self._prompt_logprobs())
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [s.output() for s in self.seqs], self.finished,
+        outs = [s.output() for s in self.seqs]
+        if self.copies > 1:
+            outs = [dataclasses.replace(outs[0], index=i) for i in range(self.copies)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              prompt_logprobs=self._prompt_logprobs())
 
     def _prompt_logprobs(self):
