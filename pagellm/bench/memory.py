@@ -72,8 +72,8 @@ def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]  # low ids hold special tokens
 
 
-def _greedy(max_tokens: int, n: int = 1) -> SamplingParams:
-    return SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @contextlib.contextmanager
@@ -150,12 +150,14 @@ def shared_prefix_bench(engine, num_requests: int, prefix_len: int, question_len
 
 def parallel_sampling_bench(engine, n: int = 8, prompt_len: int = 512, max_tokens: int = 16,
                             seed: int = 0) -> dict:
-    """n samples of one prompt (forked block tables) versus n independent requests, prefix caching off."""
+    """n samples of one prompt (forked block tables) versus n independent requests, prefix caching off. The
+    samples are seeded draws (n greedy samples would be one sequence: nothing to fork)."""
     prompt = _ids(random.Random(seed), prompt_len, engine.model_config.vocab_size)
     kv = engine.kv_cache
     result = {"n": n, "prompt_len": prompt_len, "max_tokens": max_tokens}
-    for name, reqs in (("parallel", [(_greedy(max_tokens, n), "par")]),
-                       ("independent", [(_greedy(max_tokens), f"ind-{i}") for i in range(n)])):
+    sampled = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True}
+    for name, reqs in (("parallel", [(SamplingParams(n=n, seed=seed, **sampled), "par")]),
+                       ("independent", [(SamplingParams(seed=seed + i, **sampled), f"ind-{i}") for i in range(n)])):
         cow0 = kv.num_cow_copies
         with _prefix_caching(engine, False), track_blocks(engine.scheduler) as samples:
             t0 = time.perf_counter()
