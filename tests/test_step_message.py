@@ -48,8 +48,8 @@ def test_workers_hold_what_the_scheduler_holds_after_every_step(engine_llm, leng
     for i, k in enumerate(lengths):
         prompt = prefix[:shared] + [(13 * i + j) % 400 + 3 for j in range(k)]
         params = (SamplingParams(max_tokens=12, use_beam_search=True, beam_width=2, ignore_eos=True) if beam and i == 0
-                  else SamplingParams(max_tokens=12, n=n if i == 1 else 1, temperature=0.0 if i % 2 else 0.8,
-                                      seed=i, ignore_eos=True))
+                  else SamplingParams(max_tokens=12, n=n if i == 1 else 1,  # the n request sampled: it forks
+                                      temperature=0.0 if i % 2 and i != 1 else 0.8, seed=i, ignore_eos=True))
         engine.add_request(f"r{i}", prompt, params)
     execute = engine.executor.execute
 
