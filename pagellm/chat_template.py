@@ -17,6 +17,10 @@ import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# Names the renderer passes to the template itself; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                           "chat_template")
+
 
 def render_messages(source: str, messages: list[dict], *, special_tokens: dict[str, str],
                     add_generation_prompt: bool = True, tools: list[dict] | None = None,

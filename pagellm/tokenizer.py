@@ -170,7 +170,7 @@ class Tokenizer:
             {"default": chat_template} if chat_template else {})
         self.chat_template: str | None = (self._templates.get("default")
                                           or next(iter(self._templates.values()), None))
-        self._decoder_types: frozenset[str] | None = None  # the decoder's steps, read once (token_bytes)
+        self._decoder_types: frozenset[str] | None = None  # decoder_kinds(), read once
 
     # -- construction -----------------------------------------------------------------------------------
 
@@ -268,7 +268,7 @@ class Tokenizer:
         decoding the token alone turns into U+FFFD): byte-level BPE's GPT-2 spelling of bytes, sentencepiece's
         <0xNN> byte tokens and "▁" spaces; else (added tokens, other vocabularies) the decoded text."""
         token = self.backend.id_to_token(token_id) or ""
-        decoder = self._decoder_kinds()
+        decoder = self.decoder_kinds()
         if "ByteLevel" in decoder and token and all(c in _BYTE_OF_SPELLING for c in token):
             return bytes(_BYTE_OF_SPELLING[c] for c in token)
         if "ByteFallback" in decoder:
@@ -279,7 +279,9 @@ class Tokenizer:
                 return token.replace("\u2581", " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode()
 
-    def _decoder_kinds(self) -> frozenset[str]:
+    def decoder_kinds(self) -> frozenset[str]:
+        """The decoder's step types ("ByteLevel": GPT-2's byte spelling; "ByteFallback": sentencepiece's
+        <0xNN> tokens), read once."""
         kinds = self._decoder_types
         if kinds is None:
             state = json.loads(self.backend.decoder.__getstate__()) if self.backend.decoder is not None else {}

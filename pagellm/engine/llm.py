@@ -9,6 +9,7 @@ import jinja2
 import torch
 from tqdm import tqdm
 
+from pagellm.chat_template import RESERVED_TEMPLATE_NAMES
 from pagellm.config import EngineArgs
 from pagellm.engine.embedding import embed
 from pagellm.engine.llm_engine import LLMEngine
@@ -86,8 +87,7 @@ class LLM:
             raise TypeError("messages must be a non-empty list of message dicts ({'role': ..., 'content': ...}), or "
                             "a list of such conversations")
         kwargs = dict(chat_template_kwargs or {})
-        clash = sorted(set(kwargs) & {"messages", "tools", "documents", "add_generation_prompt",
-                                      "continue_final_message", "chat_template"})
+        clash = sorted(set(kwargs) & set(RESERVED_TEMPLATE_NAMES))
         if clash:
             raise ValueError(f"chat_template_kwargs must not set {', '.join(clash)}: pass them as arguments")
         tok = self.engine.tokenizer

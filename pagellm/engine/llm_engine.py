@@ -335,13 +335,11 @@ class LLMEngine:
                     elif req.status == RequestStatus.FINISHED_LENGTH:  # a stop string on the last token allowed
                         req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop  # is a stop (vLLM's)
                     break
-            if state.first_token_time is None:
-                state.first_token_time = now
             touched[rid] = state
         outputs = errored
         for rid, state in touched.items():
-            if not state.prompt_counted:  # prefilled: its prompt counts (not one aborted while it waited)
-                state.prompt_counted = True
+            if state.first_token_time is None:  # prefilled: its prompt counts (not one aborted while it waited)
+                state.first_token_time = now
                 self.stats.prompt_tokens += len(state.prompt_token_ids)
             outputs.append(state.output())
             if state.finished:
@@ -409,7 +407,7 @@ class LLMEngine:
                 self._seq_to_request.pop(r.request_id, None)
                 if not r.is_finished:
                     self.scheduler.finish_request(r, RequestStatus.FINISHED_ERROR)
-            n = state.beam.params.n if state.beam is not None else len(state.seqs) * state.copies
+            n = state.beam.params.n if state.beam is not None else len(state.seqs)
             outputs.append(error_output(state, message, n))
             self._count_samples(state, RequestStatus.FINISHED_ERROR.value)
         return outputs

@@ -92,8 +92,7 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.seqs = seqs
         self.arrival_time = arrival_time
-        self.first_token_time: float | None = None
-        self.prompt_counted = False  # in the engine's prompt_tokens, once its prefill produced an output
+        self.first_token_time: float | None = None  # set with its first output, when its prompt is counted
         self.beam = beam
         self.tokenizer = tokenizer
         source = seqs[0].request if seqs else beam.beams[0][0]

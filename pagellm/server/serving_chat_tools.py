@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagellm.chat_template import flatten_content, template_variables
+from pagellm.chat_template import RESERVED_TEMPLATE_NAMES, flatten_content, template_variables
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.chat_templates import render_tool_prompt
 from pagellm.server.errors import APIError
@@ -31,10 +31,6 @@ from pagellm.server.tool_parsers import (
     get_tool_parser,
 )
 from pagellm.tokenizer import Tokenizer
-
-# Names the server passes to the template itself; chat_template_kwargs may not replace them.
-_RESERVED_TEMPLATE_NAMES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                            "chat_template")
 
 
 @dataclass(frozen=True)
@@ -215,7 +211,7 @@ def render_prompt(tok: Tokenizer, settings: ChatSettings, messages: list[dict], 
     them), else --chat-template, else the model's template."""
     plan = plan or ToolPlan(history_parser=get_tool_parser(settings.tool_call_parser or "hermes"))
     kwargs = dict(chat_template_kwargs or {})
-    clash = sorted(set(kwargs) & set(_RESERVED_TEMPLATE_NAMES))
+    clash = sorted(set(kwargs) & set(RESERVED_TEMPLATE_NAMES))
     if clash:
         raise APIError(400, f"chat_template_kwargs must not set {', '.join(clash)}: send them as request fields",
                        param="chat_template_kwargs")

@@ -161,9 +161,7 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
     for token, i in backend.get_vocab(with_added_tokens=True).items():
         if i < vocab_size:
             encoded[i] = token
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    steps = [decoder, *(decoder.get("decoders") or [])]
-    kinds = {s.get("type") for s in steps}
+    kinds = tokenizer.decoder_kinds()
     if "ByteLevel" in kinds:  # GPT-2's printable spelling of bytes (SmolLM2, Llama 3, Qwen2)
         vocab_type, prefix_space = xgr.VocabType.BYTE_LEVEL, False
     elif "ByteFallback" in kinds:  # sentencepiece: "▁" for a space, <0xNN> for raw bytes
