@@ -1,9 +1,9 @@
 """pagellm: a readable LLM inference engine with a paged KV cache and continuous batching."""
 
-from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "BeamSearchOutput"]
 __version__ = "0.1.0"
 
 

@@ -48,3 +48,21 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
     # context), the token's own logprob plus the top-N.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One of LLM.beam_search's sequences (vLLM's): tokens holds the prompt's ids then the generated ones,
+    text their decoding."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]

@@ -197,3 +197,28 @@ class SamplingParams:
 
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams, for LLM.beam_search: the beam_width best sequences of at most max_tokens new
+    tokens, ranked by their summed logprob / generated length ** length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or self.temperature != 0.0:
+            # The beams rank the model's own logprobs (transformers' num_beams, vLLM's raw logprobs): a
+            # temperature would change nothing, so one that is set is refused rather than ignored.
+            raise ValueError(f"temperature must be 0 with beam search (beams rank the model's logprobs), "
+                             f"got {self.temperature!r}")
+        return SamplingParams(n=self.beam_width, use_beam_search=True, beam_width=self.beam_width,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, temperature=0.0,
+                              length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output)

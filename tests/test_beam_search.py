@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, BeamSearchParams, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,30 @@ def test_beam_search_in_a_mixed_batch_and_under_preemption(tiny, smollm_gguf_pat
     outs = llm.generate([prompt] + others, [params] + [greedy] * 6, use_tqdm=False)
     assert [c.token_ids for c in outs[0].outputs] == expected
     assert llm.engine.scheduler.stats.num_preemptions > 0
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free == kv.num_blocks
+
+
+def test_llm_beam_search_is_vllms_api(tiny, smollm_gguf_path):
+    """vLLM's LLM.beam_search(prompts, BeamSearchParams): per prompt the beam_width best sequences, each with
+    the prompt's ids then the generated ones (transformers' beams), its logprob sum and its decoded text."""
+    path, model = tiny
+    llm = LLM(path, tokenizer=smollm_gguf_path, block_size=4, kv_cache_memory="4MiB")
+    prompts = [[5, 6, 7, 8], {"prompt_token_ids": [40, 41, 300, 7, 9]}, {"prompt": "is in the"}]
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+    tok = llm.get_tokenizer()
+    for prompt, out in zip([[5, 6, 7, 8], [40, 41, 300, 7, 9], tok.encode("is in the")], outs,
+                           strict=True):
+        refs = hf_beams(model, prompt, 3, 8, 1.0, None)
+        assert [s.tokens for s in out.sequences] == [prompt + r for r in refs]
+        scores = [s.cum_logprob / 8 for s in out.sequences]
+        assert scores == sorted(scores, reverse=True) and all(s.finish_reason == "length" for s in out.sequences)
+        assert [s.text for s in out.sequences] == [tok.decode(s.tokens, skip_special_tokens=False)
+                                                   for s in out.sequences]
+    with pytest.raises(ValueError, match="^temperature must be 0 with beam search"):
+        llm.beam_search([[5, 6]], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
+    with pytest.raises(TypeError, match="^params must be a BeamSearchParams"):
+        llm.beam_search([[5, 6]], SamplingParams(use_beam_search=True, max_tokens=4))
     kv = llm.engine.kv_cache
     assert kv.pool.num_free == kv.num_blocks
 

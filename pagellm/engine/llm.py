@@ -14,8 +14,8 @@ from pagellm.config import EngineArgs
 from pagellm.engine.embedding import embed
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.scoring import next_token_logprobs
-from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagellm.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
 
@@ -103,6 +103,25 @@ class LLM:
         for out, text in zip(outs, texts, strict=True):
             out.prompt = text
         return outs
+
+    def beam_search(self, prompts: Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: per prompt, the params.beam_width best sequences, best first (the engine's
+        beam search, transformers' num_beams semantics: pagellm/engine/beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        outs = self.generate(prompts, params.to_sampling_params(), use_tqdm)
+        tok = self.engine.tokenizer
+        results = []
+        for out in outs:
+            seqs = []
+            for c in out.outputs:
+                tokens = out.prompt_token_ids + c.token_ids
+                seqs.append(BeamSearchSequence(tokens, cum_logprob=c.cumulative_logprob, finish_reason=c.finish_reason,
+                                               stop_reason=c.stop_reason,
+                                               text=tok.decode(tokens, skip_special_tokens=False)))
+            results.append(BeamSearchOutput(seqs))
+        return results
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
