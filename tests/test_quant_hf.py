@@ -275,6 +275,27 @@ def test_fp8_static_input_scale_rounds_inputs_and_fused_shards_take_the_largest(
     assert model.layers[0].mlp.down_proj.packed.act_fp8 and not NativeDecoder.supports(model)
 
 
+@pytest.mark.parametrize("name", ["fp8-tensor", "fp8-channel-static"])
+def test_fp8_inputs_are_rounded_where_no_kernel_reads_the_blocks(checkpoint, monkeypatch, name):
+    """W8A8 FP8 with the native kernels off (PAGELLM_CPU_KERNELS=0) or on a GPU: the float product still rounds
+    its inputs to e4m3 (it had silently computed weight-only there)."""
+    from pagellm.model.loader.model_loader import get_model
+    from pagellm.platforms import get_platform
+    from pagellm.platforms.base import OpChoices
+    from pagellm.quant.linear_method import fp8_activations
+
+    path, _ = checkpoint(name)
+    platform = get_platform("cpu")
+    monkeypatch.setattr(platform, "op_choices", lambda *args, **kwargs: OpChoices())  # no kernel reads blocks
+    model = get_model(path, load_config(path), platform, torch.float32)
+    layer = model.layers[0].mlp.down_proj
+    assert layer.packed.act_fp8 and layer.weight_t.numel() > 0
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(0))
+    got = layer(x)
+    torch.testing.assert_close(got, fp8_activations(x, layer.packed.act_scale) @ layer.weight_t)
+    assert (got - x @ layer.weight_t).abs().max() > 1e-4  # the rounding shows
+
+
 def test_gptq_zero_biases_are_skipped_and_nonzero_ones_refused(tiny_hf_model, tmp_path):
     """AutoGPTQ writes a zero `bias` for every quantized Linear, even on bias-free Llama layers: they load
     (adding nothing); a non-zero one there is one clear error, not silently dropped."""

@@ -201,7 +201,7 @@ def _iter_quantized(model_dir: str, config: ModelConfig, dtype: torch.dtype, pac
                 tensors = {p: handles[where[f"{prefix}.{p}"]].get_tensor(f"{prefix}.{p}") for p in info}
                 pw = fmt.to_packed(err, qc, args, tensors, n, k, part_info(tensors))
                 yield prefix + ".weight", pw.dequantize().to(dtype)
-                if packed:
+                if packed or pw.act_fp8:  # W8A8 FP8: the blocks carry the input rounding, kernels or not
                     yield prefix + ".weight" + PACKED_SUFFIX, pw
     except (SafetensorError, OSError) as e:
         raise ModelFileError(where.get(name, model_dir), f"safetensors: {e}",
