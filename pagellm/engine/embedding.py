@@ -34,13 +34,22 @@ class KVCacheBusy(RuntimeError):
 def embed(engine, prompt: str | list[int], pooling: str | None = None, normalize: bool = True,
           add_special_tokens: bool = True, truncate_prompt_tokens: int | None = None) -> tuple[list[float], int]:
     """(embedding, number of prompt tokens). `engine` is an LLMEngine; ValueError for bad input."""
-    pooling = pooling or engine.args.embedding_pooling
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
     ids = engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
         else list(prompt)
     if truncate_prompt_tokens is not None:
         ids = ids[-truncate_prompt_tokens:]
+    return embed_token_ids(engine, ids, pooling, normalize)
+
+
+def embed_token_ids(engine, ids: list[int], pooling: str | None = None,
+                    normalize: bool = True) -> tuple[list[float], int]:
+    """embed() of token ids only: the server's job, whose text its API process tokenized (tokenizing between
+    steps stalled every running request for as long as a long text took, only to refuse it afterwards)."""
+    if not isinstance(ids, list):
+        raise TypeError(f"embed_token_ids takes a list of token ids, got {type(ids).__name__}")
+    pooling = pooling or engine.args.embedding_pooling
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
     check_token_ids(engine, ids, "input")
     with borrowed_request(engine, ids, "embed", KVCacheBusy) as req:
         return _pooled(engine, req, pooling, normalize), len(ids)

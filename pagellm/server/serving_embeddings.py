@@ -13,7 +13,7 @@ from typing import Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
-from pagellm.engine.embedding import embed
+from pagellm.engine.embedding import embed_token_ids
 from pagellm.engine.request_stream import EngineStoppedError, RequestTimeoutError
 from pagellm.server.common import ServerContext, admission_error, now_s, unless_disconnected
 from pagellm.server.errors import APIError
@@ -57,12 +57,14 @@ async def create_embedding(body: EmbeddingRequest, request: Request, ctx: Server
                        param="truncate_prompt_tokens")
     inputs = body.inputs()
     check_list_length("input", inputs, MAX_INPUTS)  # each is a job between steps (minutes for 10**5)
-    job = functools.partial(embed, pooling=body.pooling, normalize=body.normalize,
-                            add_special_tokens=body.add_special_tokens,
-                            truncate_prompt_tokens=body.truncate_prompt_tokens)
+    try:
+        inputs = await _token_ids(ctx, inputs, body)
+    except ValueError as e:
+        raise admission_error(e, "input") from None
+    job = functools.partial(embed_token_ids, pooling=body.pooling, normalize=body.normalize)
 
     async def run_all():
-        work = asyncio.gather(*(ctx.engine.run_job(functools.partial(job, prompt=p)) for p in inputs))
+        work = asyncio.gather(*(ctx.engine.run_job(functools.partial(job, ids=p)) for p in inputs))
         try:  # --request-timeout as for generation: the jobs not yet run are dropped (cancelled)
             return await asyncio.wait_for(work, ctx.request_timeout)
         except TimeoutError:
@@ -77,6 +79,24 @@ async def create_embedding(body: EmbeddingRequest, request: Request, ctx: Server
     tokens = sum(n for _, n in results)
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now_s(), "model": model,
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def _token_ids(ctx: ServerContext, inputs: list[str | list[int]], body: EmbeddingRequest) -> list[list[int]]:
+    """Every input as token ids, cut to truncate_prompt_tokens and held to the context here, in a worker thread
+    of the API process (the engine core runs embeddings between steps: embed_token_ids)."""
+    tok, limit = ctx.engine.tokenizer, ctx.engine.max_model_len
+    texts = [x for x in inputs if isinstance(x, str)]
+    encoded = iter(await asyncio.to_thread(
+        lambda: [tok.encode(t, add_special_tokens=body.add_special_tokens) for t in texts]) if texts else [])
+    out = []
+    for x in inputs:
+        ids = next(encoded) if isinstance(x, str) else x
+        if body.truncate_prompt_tokens is not None:
+            ids = ids[-body.truncate_prompt_tokens:]
+        if len(ids) > limit:
+            raise ValueError(f"input has {len(ids)} tokens, but max_model_len is {limit}")
+        out.append(ids)
+    return out
 
 
 def _encode(vec: list[float], fmt: str) -> list[float] | str:
