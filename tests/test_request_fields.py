@@ -41,6 +41,43 @@ def test_allowed_token_ids_restrict_greedy_and_random_sampling(llm):
         SamplingParams(use_beam_search=True, max_tokens=4, allowed_token_ids=[5])
 
 
+def test_masks_that_leave_no_token_are_refused_or_fail_alone(llm):
+    """allowed_token_ids that bad_words or min_tokens ban entirely: refused at admission. Masks that leave no
+    token only later (a longer bad word completing, here the grammar of structured outputs): that request
+    fails alone at that position, naming why, never sampling a banned id; the batch beside it is unchanged."""
+    from pagellm.sampling_params import StructuredOutputsParams
+
+    tok = llm.get_tokenizer()
+    comma = tok.encode(",", add_special_tokens=False)
+    with pytest.raises(ValueError, match="^allowed_token_ids must hold a token that bad_words does not ban$"):
+        _ids(llm, PROMPT, allowed_token_ids=comma, bad_words=[","])
+    eos = sorted(llm.engine.eos_token_ids)
+    with pytest.raises(ValueError, match=r"^allowed_token_ids must hold a token that min_tokens \(which bans"):
+        _ids(llm, PROMPT, allowed_token_ids=eos, min_tokens=2, ignore_eos=False)
+    out = _ids(llm, PROMPT, allowed_token_ids=eos + comma, min_tokens=1, bad_words=["!"], ignore_eos=False)
+    assert out.outputs[0].token_ids[0] == comma[0] and out.error is None  # the comma, then maybe the EOS
+    with pytest.raises(ValueError, match="^allowed_token_ids must hold a token that can start the structured "):
+        _ids(llm, PROMPT, allowed_token_ids=comma, ignore_eos=False,
+             structured_outputs=StructuredOutputsParams(choice=["Paris", "Lyon"]))
+
+    par = tok.encode("Par", add_special_tokens=False)
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0].token_ids
+    for kw in ({}, {"temperature": 1.0, "seed": 7}):
+        masked = SamplingParams(max_tokens=6, allowed_token_ids=par, **{"temperature": 0.0, **kw},
+                                structured_outputs=StructuredOutputsParams(choice=["Paris"]))
+        digits = SamplingParams(max_tokens=3, bad_words=list("0123456789"), **{"temperature": 0.0, **kw},
+                                structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+        outs = llm.generate([PROMPT, PROMPT, PROMPT], [masked, plain, digits], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == par and outs[0].outputs[0].finish_reason == "error"
+        assert outs[0].error.startswith(f"no token is allowed at output position {len(par)}: allowed_token_ids")
+        assert outs[2].outputs[0].token_ids == [] and outs[2].error.startswith(
+            "no token is allowed at output position 0")
+        assert outs[1].outputs[0].token_ids == alone and outs[1].error is None
+    kv = llm.engine.kv_cache
+    assert kv.pool.num_free == kv.num_blocks
+
+
 def test_bad_words_ban_a_one_token_word_and_the_last_token_of_a_longer_one(llm):
     tok = llm.get_tokenizer()
     free = _ids(llm, PROMPT, max_tokens=12).outputs[0].token_ids

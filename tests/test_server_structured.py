@@ -191,3 +191,21 @@ def test_bad_specs_are_400s_naming_the_field(client, server, extra, param, messa
         assert err["param"] == param, err
         assert re.search(message, err["message"]), err
     assert "Traceback" not in server.output()
+
+
+def test_masks_that_leave_no_token_are_400s(client, server):
+    """allowed_token_ids that the grammar (or bad_words) exclude entirely: a 400 naming the field at admission;
+    a grammar whose every digit bad_words bans: a 400 saying where no token was left (it had sampled token 0 and
+    failed as a 500 server_error)."""
+    comma = 28  # "," in SmolLM2's vocabulary
+    for extra in ({"allowed_token_ids": [comma], "guided_choice": ["Paris", "Lyon"]},
+                  {"allowed_token_ids": [comma], "bad_words": [","]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body=extra)
+        assert e.value.body["param"] == "allowed_token_ids", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=3,
+                                  extra_body={"guided_regex": "[0-9]+", "bad_words": list("0123456789")})
+    assert e.value.body["message"].startswith("no token is allowed at output position 0"), e.value.body
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).choices[0].finish_reason == "length"
+    assert "Traceback" not in server.output()

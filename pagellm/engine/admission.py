@@ -29,9 +29,10 @@ def truncate_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len
 
 
 def prepare_request(prompt_text: str | None, prompt_ids: list[int], params: SamplingParams, tokenizer,
-                    vocab: int, max_model_len: int) -> tuple[str | None, list[int], SamplingParams]:
+                    vocab: int, max_model_len: int,
+                    eos_token_ids=()) -> tuple[str | None, list[int], SamplingParams]:
     """(prompt text, or None once truncated, since it no longer matches the ids; prompt ids; params with
-    bad_words tokenized)."""
+    bad_words tokenized). ValueError where the request's own masks leave no first token."""
     kept = truncate_prompt(prompt_ids, params, max_model_len)
     if len(kept) != len(prompt_ids):
         prompt_text, prompt_ids = None, kept
@@ -41,4 +42,20 @@ def prepare_request(prompt_text: str | None, prompt_ids: list[int], params: Samp
     if params.bad_words and params.bad_words_token_ids is None:
         ids = bad_words_token_ids(params.bad_words, lambda w: tokenizer.encode(w, add_special_tokens=False))
         params = dataclasses.replace(params, bad_words_token_ids=ids)
+    _check_first_token_allowed(params, eos_token_ids)
     return prompt_text, prompt_ids, params
+
+
+def _check_first_token_allowed(params: SamplingParams, eos_token_ids) -> None:
+    """allowed_token_ids that bad_words (one-token words) and min_tokens (the end-of-sequence and stop ids) ban
+    entirely: refused here, where it is the caller's mistake, rather than failing in a step."""
+    if params.allowed_token_ids is None:
+        return
+    allowed = set(params.allowed_token_ids)
+    words = {seq[0] for seq in params.bad_words_token_ids or () if len(seq) == 1} & allowed
+    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    ends = ends & allowed if params.min_tokens else set()
+    if allowed <= words | ends:
+        why = (["bad_words"] if words else []) + (
+            ["min_tokens (which bans the end-of-sequence and stop_token_ids tokens)"] if ends else [])
+        raise ValueError(f"allowed_token_ids must hold a token that {' or '.join(why)} does not ban")

@@ -24,6 +24,7 @@ from pagellm.core.scheduler import ScheduledRequest
 from pagellm.engine.output_processor import RequestState
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.request import request_of
+from pagellm.sample.sampler import NoTokenAllowedError
 from pagellm.sample.step import SampledToken, StepSampler
 
 logger = logging.getLogger("pagellm")
@@ -50,6 +51,8 @@ def sample_isolated(step_sampler: StepSampler, scheduled: list[ScheduledRequest]
         n = 1 + len(s.spec_token_ids)
         try:
             sampled.update(step_sampler([s], logits[row:row + n]))
+        except NoTokenAllowedError as e:  # its parameters contradict each other: the message says how
+            failed[s.request.request_id] = str(e)
         except Exception as e:
             failed[s.request.request_id] = f"sampling failed for this request: {type(e).__name__}: {e}"
             logger.warning("request %s failed alone in sampling: %s: %s", request_of(s.request.request_id),

@@ -173,7 +173,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize(prompt)
         prompt_text, prompt_ids, params = prepare_request(prompt_text, prompt_ids, params, self.tokenizer,
-                                                          self.model_config.vocab_size, self.max_model_len)
+                                                          self.model_config.vocab_size, self.max_model_len,
+                                                          self.eos_token_ids)
         self._validate_prompt(prompt_ids, params)
         if params.n > self.scheduler.config.max_num_seqs:  # checked before any sibling is queued
             raise ValueError(f"n must be <= max_num_seqs ({self.scheduler.config.max_num_seqs}): the n sequences "

@@ -56,9 +56,13 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         want_logprobs = any(r.params.logprobs is not None for r in rows)
+        masked = any(can_mask_every_token(r.params) for r in rows)
         if not want_logprobs and all(r.params.greedy and not self._needs_processing(r) for r in rows):
             # bf16/fp16 -> fp32 is exact, so the argmax of the raw logits is the fp32 argmax.
-            return SamplerOutput(argmax_rows(logits).tolist(), None, None)
+            tokens = argmax_rows(logits)
+            if masked:  # a grammar's mask is in the logits already
+                check_some_token_allowed(logits, tokens, rows)
+            return SamplerOutput(tokens.tolist(), None, None)
 
         # Raw logprobs come from the model's logits before any processing (vLLM's default).
         raw_logprobs = log_softmax(logits) if want_logprobs else None
@@ -73,6 +77,8 @@ class Sampler:
             rand = [i for i, g in enumerate(greedy) if not g]
             rand_idx = to_device(rand, x.device)
             tokens[rand_idx] = _sample(x[rand_idx], [rows[i] for i in rand])
+        if masked:
+            check_some_token_allowed(x, tokens, rows)
 
         token_ids = tokens.tolist()
         if raw_logprobs is None:
@@ -95,6 +101,29 @@ class Sampler:
         p = row.params
         return (bool(p.logit_bias) or p.has_penalties or has_masks(p)
                 or bool(_min_tokens_ids(row, self.eos_token_ids)))
+
+
+NO_TOKEN_ALLOWED = "no token is allowed at output position"  # how its message starts (the server's 400)
+
+
+class NoTokenAllowedError(ValueError):
+    """A row whose masks (allowed_token_ids, bad_words, min_tokens, a grammar) leave no token at all: the
+    request's own parameters contradict each other."""
+
+
+def can_mask_every_token(params: SamplingParams) -> bool:
+    return has_masks(params) or params.structured_outputs is not None
+
+
+def check_some_token_allowed(x: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Raises NoTokenAllowedError for a row whose chosen token is -inf: every token was masked, and argmax or
+    the sampling race returned an arbitrary banned id (the request then fails alone, naming why)."""
+    banned = torch.isneginf(x.gather(1, tokens[:, None]).squeeze(1))
+    if bool(banned.any()):
+        row = rows[int(banned.nonzero()[0, 0])]
+        raise NoTokenAllowedError(
+            f"{NO_TOKEN_ALLOWED} {len(row.output_token_ids)}: allowed_token_ids, bad_words, "
+            "min_tokens and the structured output's grammar together exclude every token")
 
 
 def _min_tokens_ids(row: SamplingRow, eos_token_ids: list[int]) -> list[int]:

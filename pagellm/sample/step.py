@@ -16,7 +16,14 @@ from pagellm.platforms.base import to_device
 from pagellm.sample.beam import beam_candidates
 from pagellm.sample.logprobs import argmax_rows, log_softmax
 from pagellm.sample.rejection import verify, verify_greedy
-from pagellm.sample.sampler import Sampler, SamplingRow, logprob_ranks, sampling_probs
+from pagellm.sample.sampler import (
+    Sampler,
+    SamplingRow,
+    can_mask_every_token,
+    check_some_token_allowed,
+    logprob_ranks,
+    sampling_probs,
+)
 from pagellm.structured_output import StructuredOutputManager, apply_grammar_masks
 
 
@@ -93,7 +100,12 @@ class StepSampler:
         argmax: dict[str, list[int]] = {}
         if greedy:
             idx = to_device([r for w in greedy for r in w[1]], logits.device)
-            best = argmax_rows(self.sampler.process(logits[idx], [r for w in greedy for r in w[2]])).tolist()
+            greedy_rows = [r for w in greedy for r in w[2]]
+            x = self.sampler.process(logits[idx], greedy_rows)
+            best_t = argmax_rows(x)
+            if any(can_mask_every_token(r.params) for r in greedy_rows):
+                check_some_token_allowed(x, best_t, greedy_rows)
+            best = best_t.tolist()
             at = 0
             for s, rows, _ in greedy:
                 argmax[s.request.request_id] = best[at:at + len(rows)]

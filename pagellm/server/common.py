@@ -22,6 +22,7 @@ from pagellm.engine.request_stream import (
 )
 from pagellm.metrics import EngineMetrics
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sample.sampler import NO_TOKEN_ALLOWED
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.errors import APIError, bad_request
 from pagellm.server.protocol_structured import compile_structured_outputs
@@ -87,6 +88,8 @@ def admission_error(e: BaseException, prompt_param: str) -> BaseException:
 def iteration_error(e: BaseException) -> APIError:
     if isinstance(e, RequestTimeoutError):
         return APIError(408, str(e), code="timeout")
+    if isinstance(e, RequestFailedError) and str(e).startswith(NO_TOKEN_ALLOWED):  # its own fields contradict
+        return APIError(400, str(e))
     if isinstance(e, RequestFailedError):  # failed alone: its message says what failed
         return APIError(500, str(e), code="request_failed")
     return APIError(500, str(e), code="engine_error")

@@ -54,7 +54,13 @@ class StructuredOutputManager:
         if params.min_tokens:
             raise ValueError("min_tokens must be 0 with structured outputs: the grammar decides where the "
                              "output may end, and banning the end-of-sequence token could leave no token")
-        self.compile(spec)
+        compiled = self.compile(spec)
+        if params.allowed_token_ids is not None:
+            first = self._first_tokens(compiled)
+            if not any(0 <= t < self.vocab_size and (int(first[t // 32]) >> (t % 32)) & 1
+                       for t in params.allowed_token_ids):
+                raise ValueError("allowed_token_ids must hold a token that can start the structured output "
+                                 "(none of them can)")
 
     def new_state(self, spec: StructuredOutputsParams) -> GrammarState:
         import xgrammar as xgr
@@ -110,12 +116,16 @@ class StructuredOutputManager:
 
     def _can_start(self, compiled) -> bool:
         """Whether the grammar allows some first token (one step's mask, once per compiled spec)."""
+        return bool(self._first_tokens(compiled).any())
+
+    def _first_tokens(self, compiled):
+        """The grammar's first-step mask: int32 words, bit t % 32 of word t // 32 set where token t may start."""
         import xgrammar as xgr
 
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(mask)
-        return bool(mask.any())
+        return mask[0]
 
     def _compile_spec(self, spec: StructuredOutputsParams, key: tuple):
         kind = spec.kind
