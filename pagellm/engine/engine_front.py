@@ -166,6 +166,9 @@ class EngineFront:
         async for out in stream:
             yield out
 
+    def is_request_id_in_use(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def abort(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:

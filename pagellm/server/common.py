@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
@@ -65,6 +66,11 @@ class ServerContext:
                                 f"got {len(prompts)}", param=prompt_param)
         await compile_structured_outputs(self.engine, params)  # off the event loop; invalid: a 400
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        if any(self.engine.is_request_id_in_use(i) for i in ids):
+            # A client's X-Request-Id that another of its requests still runs under: both run (vLLM makes its
+            # engine ids unique too); the response keeps the client's id. (No await between this and queueing.)
+            suffix = uuid.uuid4().hex[:8]
+            ids = [f"{i}-{suffix}" for i in ids]
         try:
             return await self.engine.add_requests(prompts, params, ids, self.request_timeout, cache_salt)
         except BaseException as e:
