@@ -142,6 +142,30 @@ def test_edge_cases_max_tokens_mid_run_stop_string_and_k_beyond_budget(tiny, smo
     assert (b.text, b.token_ids, b.finish_reason) == (a.text, a.token_ids, "stop")
 
 
+@pytest.mark.parametrize("budget,n", [(2, 1), (8, 3)])
+def test_a_draft_model_whose_cut_drafts_all_pass_and_its_kv_goes_back(tiny, smollm_gguf_path, budget, n):
+    """The target as its own draft (every draft accepted) under a step budget that cuts the drafts verified:
+    the draft has then computed the target's next token already, and its next proposal ran a forward of no
+    tokens, failing the whole step. Greedy output equals plain decoding; the draft's KV blocks come back as
+    requests finish (they had stayed held until the next proposal) and on abort."""
+    ps = [[random.Random(i).randrange(3, 512) for _ in range(3)] for i in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = ids(make(tiny, smollm_gguf_path).generate(ps, params, use_tqdm=False))
+    llm = make(tiny, smollm_gguf_path, speculative_method="draft", draft_model=tiny, num_speculative_tokens=4,
+               max_num_batched_tokens=budget)
+    assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    st, draft = llm.engine.scheduler.stats, llm.engine.proposer
+    assert st.num_accepted_tokens > 0
+    assert draft.kv.pool.num_free == draft.kv.num_blocks and not draft.seqs
+    engine = llm.engine
+    engine.add_request("a", ps[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert draft.seqs
+    engine.abort_request("a")
+    assert draft.kv.pool.num_free == draft.kv.num_blocks and not draft.seqs
+
+
 def test_a_proposal_containing_a_stop_token_finishes_the_request(tiny, smollm_gguf_path):
     plain = make(tiny, smollm_gguf_path)
     # The target itself as draft model: every draft is accepted, so the stop id arrives inside an

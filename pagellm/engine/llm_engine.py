@@ -291,6 +291,13 @@ class LLMEngine:
             for r in live:
                 self._seq_to_request.pop(r.request_id, None)
             self._count_samples(state, RequestStatus.FINISHED_ABORTED.value)
+        self._release_drafts()
+
+    def _release_drafts(self) -> None:
+        """A draft model's KV of sequences that left (finished, aborted, preempted) goes back now, not at the
+        next proposal (which an idle engine never makes)."""
+        if self.proposer is not None:
+            self.proposer.retain({r.request_id for r in self.scheduler.running})
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -347,6 +354,8 @@ class LLMEngine:
                 self._finish(rid, state)
         if self.spec_controller is not None:
             self._observe_speculation(sched_out, sampled, time.perf_counter() - t0)
+        if any(state.finished for state in touched.values()) or errored:
+            self._release_drafts()
         return outputs
 
     def _propose(self) -> None:

@@ -36,6 +36,9 @@ class Proposer:
     def propose(self, running: list[Request]) -> None:
         raise NotImplementedError
 
+    def retain(self, live: set[str]) -> None:
+        """Forget every sequence not in `live` (what a proposer keeps per sequence, e.g. a draft model's KV)."""
+
 
 class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, max_model_len: int, n_min: int, n_max: int):
@@ -83,10 +86,12 @@ class DraftModelProposer(Proposer):
         self.kv = kv_cache
         self.seqs: dict[str, _DraftSeq] = {}
 
-    def propose(self, running: list[Request]) -> None:
-        live = {r.request_id for r in running}
+    def retain(self, live: set[str]) -> None:
         for rid in [rid for rid in self.seqs if rid not in live]:
             self._drop(rid)
+
+    def propose(self, running: list[Request]) -> None:
+        self.retain({r.request_id for r in running})
         active: list[tuple[Request, _DraftSeq]] = []
         for req in running:
             req.clear_spec()
@@ -145,7 +150,10 @@ class DraftModelProposer(Proposer):
         if common < len(seq.all_token_ids):  # its own drafts were rejected: the workers' copy is stale
             self.executor.forget(req.request_id)
         seq.all_token_ids = list(req.all_token_ids)
-        seq.num_computed_tokens = min(seq.num_computed_tokens, common)
+        # The last token always runs, its logits drawing the first draft: where the target accepted every draft
+        # this step verified (the budget may cut them) and its own token is the one the draft drew next, the
+        # draft has computed it already (a forward of no tokens then failed the whole step).
+        seq.num_computed_tokens = min(seq.num_computed_tokens, common, req.num_tokens - 1)
         return seq
 
     def _draw(self, req: Request, seq: _DraftSeq, logits: torch.Tensor, drafted: list[int]):
