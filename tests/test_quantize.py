@@ -349,6 +349,8 @@ def test_compressed_tensors_checkpoint_loads_in_transformers(tiny_dir, checkpoin
     (["--group-size", "128"], "--group-size 128 does not divide the model's hidden_size (64)"),
     (["--calibration", "/nonexistent/calib.txt"], "--calibration /nonexistent/calib.txt: no such file"),
     (["--method", "sparse"], "--method must be one of"),
+    (["--method", "rtn", "--keep", "lm_head,layer.0."], "--keep layer.0.: matches no decoder matrix"),
+    (["--method", "rtn", "--keep", "lm_head,layers."], "--keep keeps every decoder matrix in float"),
 ])
 def test_bad_options_are_one_line_exit_2(tiny_dir, tmp_path, args, message):
     r = _quantize_cli("--model", tiny_dir, "--group-size", str(G), "--out", str(tmp_path / "out"), *args)

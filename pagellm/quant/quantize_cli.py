@@ -94,6 +94,21 @@ def check_options(ns: argparse.Namespace, cfg: ModelConfig) -> None:
     check_writable_dir(ns.out)
 
 
+def check_keep(keep: list[str], cfg: ModelConfig) -> None:
+    """Every --keep substring must name some decoder matrix (a typo had quantized everything, silently), and
+    one matrix at least must be left to quantize. lm_head is never quantized: naming it is allowed."""
+    from pagellm.quant.calibration import ATTN, MLP
+
+    names = [f"model.layers.{i}.{'self_attn' if p in ATTN else 'mlp'}.{p}"
+             for i in range(cfg.num_hidden_layers) for p in ATTN + MLP]
+    unmatched = [k for k in keep if k != "lm_head" and not any(k in n for n in names)]
+    if unmatched:
+        raise ValueError(f"--keep {','.join(unmatched)}: matches no decoder matrix (their names are like "
+                         f"{names[0]})")
+    if keep and all(any(k in n for k in keep) for n in names):
+        raise ValueError("--keep keeps every decoder matrix in float: nothing would be quantized")
+
+
 def check_writable_dir(path: str) -> None:
     """That the output directory can be made and written now, not after minutes of calibration."""
     if not path:
@@ -120,6 +135,7 @@ def run_quantize(ns: argparse.Namespace) -> int:
     made_out = bool(ns.out) and not os.path.exists(ns.out)
     check_options(ns, cfg)  # makes --out
     ns.keep = [k.strip() for k in ns.keep.split(",") if k.strip()]
+    check_keep(ns.keep, cfg)
     t0 = time.perf_counter()
     try:
         out = quantize(path, cfg, ns)
