@@ -110,7 +110,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            sliding_window=_sliding_window(cfg, model_type),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -124,6 +124,28 @@ class ModelConfig:
         return self.num_hidden_layers * per_layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
 
+def _sliding_window(cfg: dict, model_type: str) -> int | None:
+    """transformers' rules: Mistral's window applies to every layer; Qwen2's only with use_sliding_window (default
+    false) and to layers from max_window_layers (default 28) on, or where layer_types says sliding_attention;
+    Llama has none. One window for every layer or none: a model whose layers differ is refused."""
+    window = cfg.get("sliding_window")
+    if model_type == "mistral" or window is None:
+        return window
+    if model_type != "qwen2" or not cfg.get("use_sliding_window", False):
+        return None
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        start = cfg.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(f"layer_types must list sliding_attention / full_attention per layer, got {types!r}")
+    if len(set(types)) > 1:
+        raise ValueError(f"sliding_window on some layers only ({types.count('sliding_attention')} of {len(types)}: "
+                         "max_window_layers / layer_types) is not supported; pagellm applies one window to all")
+    return window if types and types[0] == "sliding_attention" else None
+
+
 def _rope_theta(cfg: dict) -> float:
     if "rope_theta" in cfg:
         return float(cfg["rope_theta"])
@@ -135,6 +157,8 @@ def _rope_scaling(cfg: dict) -> dict | None:
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     if not scaling:
         return None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be an object, got {scaling!r}")
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None

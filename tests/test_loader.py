@@ -257,3 +257,47 @@ def test_bad_model_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported model_type"):
         load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("arch,edit,message", [
+    ("llama", {"hidden_act": "gelu"}, "(hidden_act): unsupported hidden_act 'gelu'"),
+    ("llama", {"tie_word_embeddings": "false"}, "(tie_word_embeddings): must be true or false, got 'false'"),
+    ("qwen2", {"use_sliding_window": "false"}, "(use_sliding_window): must be true or false"),
+    ("llama", {"rope_scaling": "linear"}, "(rope_scaling): must be an object, got 'linear'"),
+    ("llama", {"rope_scaling": {"rope_type": "linear"}}, "linear scaling needs factor as a positive number, got None"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": "abc"}}, "needs factor as a positive number"),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 scaling needs low_freq_factor"),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope_scaling type 'yarn'"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
+     "sliding_window on some layers only (1 of 2"),
+])
+def test_config_fields_that_change_the_arithmetic_are_checked(tiny_hf_model, tmp_path, arch, edit, message):
+    """An activation other than SiLU, booleans as strings, rope scalings the rotary tables cannot build and
+    per-layer sliding windows: one line naming the field (they had loaded into wrong output or a traceback)."""
+    import shutil
+
+    from pagellm.model.loader.model_file_error import ModelFileError
+
+    path = shutil.copytree(tiny_hf_model(arch), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(ModelFileError) as e:
+        load_config(str(path))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("arch,edit,window", [
+    ("qwen2", {"sliding_window": 8}, None),  # transformers' Qwen2: use_sliding_window defaults to false
+    ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "layer_types": None}, None),  # max_window_layers 28
+    ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "layer_types": None, "max_window_layers": 0}, 8),
+    ("llama", {"sliding_window": 8}, None),  # Llama has no window
+    ("mistral", {"sliding_window": 8}, 8),
+])
+def test_sliding_window_follows_transformers(tiny_hf_model, tmp_path, arch, edit, window):
+    import shutil
+
+    path = shutil.copytree(tiny_hf_model(arch), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    assert load_config(str(path)).sliding_window == window
+

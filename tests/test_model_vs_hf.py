@@ -44,6 +44,8 @@ CASES = [
     ("mistral", dict()),
     ("qwen2", dict()),
     ("qwen2", dict(tie=True)),
+    # every layer slides (max_window_layers 0): prompts of up to 40 tokens against a window of 8
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),
 ]
 
 

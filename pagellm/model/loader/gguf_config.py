@@ -71,6 +71,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
     checks.check_config_values(gf.path, cfg)
     checks.check_weight_shapes(gf.path, cfg, {n: t.shape for n, t in gf.tensors.items()}, gguf_names=True)
     cfg.rope_scaling = _rope_scaling(gf, theta, head_dim)
+    checks.check_rope_scaling(gf.path, cfg.rope_scaling, f"{gf.architecture}.rope.scaling")
     return cfg
 
 
@@ -90,6 +91,9 @@ def _rope_scaling(gf: GGUFFile, theta: float, head_dim: int) -> dict | None:
                 if (v := gf.arch_key(f"rope.scaling.{name}")) is not None:
                     out[hf] = checks.require_number(gf.path, key + name, v)
         return out
+    if kind in ("linear", "yarn"):
+        raise ModelFileError(gf.path, f"rope scaling type {kind!r} needs a non-zero factor, got {checks.short(factor)}",
+                             key + "factor")
     if kind not in (None, "none"):
         raise ModelFileError(gf.path, f"unsupported rope scaling type {checks.short(kind)}", key + "type")
     if "rope_freqs.weight" in gf.tensors:

@@ -34,10 +34,12 @@ def hf_config(model_dir: str) -> ModelConfig:
     for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
         if cfg.get(key) is not None:
             checks.require_int(path, key, cfg[key], low=1)
+    checks.check_hf_fields(path, cfg)
     try:
         config = ModelConfig.from_hf_dict(cfg)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise ModelFileError(path, f"{type(e).__name__}: {e}") from None
+    checks.check_rope_scaling(path, config.rope_scaling)
     if os.path.isfile(gen_path):
         eos = _read_json_object(gen_path).get("eos_token_id")
         extra = [eos] if isinstance(eos, int) else list(eos or []) if isinstance(eos, list) else []

@@ -99,6 +99,43 @@ def check_config_values(path: str, cfg: ModelConfig) -> None:
             require_int(path, "bos/eos token id", i, low=0, high=cfg.vocab_size - 1)
 
 
+# What each supported rope_scaling type reads (pagellm/model/layers/rotary.py).
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def check_rope_scaling(path: str, scaling: dict | None, where: str = "rope_scaling") -> None:
+    """A rope scaling the rotary tables can build, every parameter it reads a positive number (a missing
+    one was a KeyError inside the model's build; `plan` had said an unsupported type fits)."""
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        raise ModelFileError(path, f"unsupported rope_scaling type {short(kind)} (supported: "
+                             f"{', '.join(ROPE_SCALING_KEYS)})", where)
+    for key in ROPE_SCALING_KEYS[kind]:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ModelFileError(path, f"{kind} scaling needs {key} as a positive number, got {short(value)}",
+                                 where)
+
+
+def check_hf_fields(path: str, cfg: dict) -> None:
+    """config.json fields that change the model's arithmetic and that ModelConfig would otherwise read loosely:
+    an activation other than SiLU (it was ignored: wrong output, exit 0), booleans given as strings ("false"
+    was true), a rope_scaling that is not an object."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelFileError(path, f"unsupported hidden_act {short(act)} (pagellm's MLP is SiLU-gated: silu)",
+                             "hidden_act")
+    for key in ("tie_word_embeddings", "use_sliding_window", "attention_bias"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ModelFileError(path, f"must be true or false, got {short(cfg[key])}", key)
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ModelFileError(path, f"must be an object, got {short(cfg[key])}", key)
+
+
 def require_int(path: str, name: str, value, low: int | None = None, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ModelFileError(path, f"must be an integer, got {short(value)}", name)
