@@ -257,3 +257,21 @@ def test_serve_on_a_port_in_use_or_a_foreign_host_fails_before_the_model_loads()
     assert r.returncode == 2 and "cannot listen on no.such.host.invalid" in r.stderr and "loaded in" not in r.stderr
     r = cli("serve", "--max-request-body-bytes", "abc")
     assert r.returncode == 2 and "--max-request-body-bytes" in r.stderr.strip().splitlines()[-1]
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):
+    """--chat-template with a jinja syntax error (or bytes that are not UTF-8) stops `pagellm serve` at start,
+    naming the flag; it had started and answered every chat request with a 400 blaming the messages."""
+    from pagellm.server.chat_templates import load_chat_template
+
+    bad, binary = tmp_path / "bad.jinja", tmp_path / "bin.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }\n")
+    binary.write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ValueError, match=r"^--chat-template .*bad\.jinja: invalid jinja at line 1: unexpected '}'"):
+        load_chat_template(str(bad))
+    with pytest.raises(ValueError, match=r"^--chat-template .*bin\.jinja: not UTF-8 text"):
+        load_chat_template(str(binary))
+    assert load_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    r = cli("serve", "--port", "0", "--chat-template", str(bad))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("pagellm: error: --chat-template"), \
+        r.stderr

@@ -8,7 +8,10 @@ import os
 from functools import cache
 from pathlib import Path
 
+import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pagellm.chat_template import compile_template
 
 _DIR = Path(__file__).resolve().parent
 
@@ -17,10 +20,20 @@ def load_chat_template(value: str) -> str:
     """--chat-template: a path to a jinja file, or (as vLLM allows) the template text itself."""
     path = os.path.expanduser(value)
     if os.path.isfile(path):
-        return Path(path).read_text(encoding="utf-8")
-    if "{{" in value or "{%" in value:
-        return value
-    raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a jinja file or the template text)")
+        try:
+            source = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--chat-template {value}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a jinja file or the template text)")
+    try:  # at start-up, not as a 400 blaming each chat request's messages
+        compile_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template {value if source is not value else '(text)'}: invalid jinja at line "
+                         f"{e.lineno}: {e.message}") from None
+    return source
 
 
 @cache
