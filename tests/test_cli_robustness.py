@@ -275,3 +275,13 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start(tmp_path):
     r = cli("serve", "--port", "0", "--chat-template", str(bad))
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("pagellm: error: --chat-template"), \
         r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--served-model-name", ""], "--served-model-name must not be empty (clients send it as \"model\")"),
+    (["--root-path", "api"], "--root-path must start with '/', got 'api'"),
+])
+def test_serve_names_and_paths_are_checked_before_the_model_loads(args, message):
+    r = cli("serve", "--port", "0", *args)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"pagellm: error: {message}", r.stderr
+

@@ -116,6 +116,10 @@ def serve(ns: argparse.Namespace) -> int:
 
     if ns.max_queue_len is not None and ns.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {ns.max_queue_len}")
+    if ns.served_model_name and any(not name.strip() for name in ns.served_model_name):
+        raise ValueError("--served-model-name must not be empty (clients send it as \"model\")")
+    if ns.root_path and not ns.root_path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {ns.root_path!r}")
     api_key = resolve_api_key(ns)
     try:
         body_cap = parse_bytes(ns.max_request_body_bytes)
