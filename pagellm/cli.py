@@ -47,8 +47,16 @@ def _info(ns: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Argument errors on one line, as every other CLI error (argparse printed the whole usage first: 40-50 lines
+    for serve or generate before the one that matters). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagellm", description="A readable LLM inference engine: paged KV cache, "
+    p = OneLineParser(prog="pagellm", description="A readable LLM inference engine: paged KV cache, "
                                 "continuous batching, OpenAI-compatible server.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -285,3 +285,14 @@ def test_serve_names_and_paths_are_checked_before_the_model_loads(args, message)
     r = cli("serve", "--port", "0", *args)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"pagellm: error: {message}", r.stderr
 
+
+
+@pytest.mark.parametrize("args,first", [
+    (["serve", "--port", "x"], "pagellm serve: error: argument --port: expected an integer, got 'x'"),
+    (["generate"], "pagellm generate: error: the following arguments are required: --prompt"),
+    (["bench", "latency", "--num-iters", "x"], "pagellm bench latency: error: argument --num-iters: invalid int"),
+])
+def test_argument_errors_are_one_line(args, first):
+    """argparse printed its whole usage block (40-50 lines for serve) before the error line."""
+    r = cli(*args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(first), r.stderr
