@@ -166,6 +166,11 @@ def test_a_draft_model_whose_cut_drafts_all_pass_and_its_kv_goes_back(tiny, smol
     assert draft.kv.pool.num_free == draft.kv.num_blocks and not draft.seqs
 
 
+def test_a_draft_cache_too_small_for_one_block_names_its_flag(tiny, smollm_gguf_path):
+    with pytest.raises(ValueError, match=r"^draft_kv_cache_memory \(1KiB\) holds no KV block of the draft model"):
+        make(tiny, smollm_gguf_path, speculative_method="draft", draft_model=tiny, draft_kv_cache_memory="1KiB")
+
+
 def test_a_proposal_containing_a_stop_token_finishes_the_request(tiny, smollm_gguf_path):
     plain = make(tiny, smollm_gguf_path)
     # The target itself as draft model: every draft is accepted, so the stop id arrives inside an

@@ -56,7 +56,11 @@ def build_proposer(args: EngineArgs, max_model_len: int, backend: AttentionBacke
                          f"({cfg.vocab_size})")
     kv_dtype = resolve_kv_dtype(args, dtype, platform)
     draft = get_model(path, draft_cfg, platform, dtype, device, packed_weights_only=False)
-    num_blocks = parse_bytes(args.draft_kv_cache_memory) // kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
+    per_block = kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
+    num_blocks = parse_bytes(args.draft_kv_cache_memory) // per_block
+    if num_blocks < 1:
+        raise ValueError(f"draft_kv_cache_memory ({args.draft_kv_cache_memory}) holds no KV block of the draft model "
+                         f"({per_block} bytes at block size {args.block_size}): raise --draft-kv-cache-memory")
     runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, backend, platform,
                          prefault_kv=args.prefault_kv_cache)
     logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
