@@ -6,7 +6,6 @@ import json
 import os
 import tempfile
 
-
 # What matplotlib's savefig writes, by file name suffix (the plot's format follows the name).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp")
 
