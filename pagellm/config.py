@@ -162,7 +162,13 @@ def _rope_scaling(cfg: dict) -> dict | None:
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None
-    return dict(scaling, rope_type=kind)
+    out = dict(scaling, rope_type=kind)
+    if kind == "llama3":  # transformers' standardize_rope_params: a top-level value first, else the context
+        if "original_max_position_embeddings" in cfg:
+            out["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+        elif "max_position_embeddings" in cfg:
+            out.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
+    return out
 
 
 # --kv-cache-memory when none is given on the CPU (a GPU sizes the cache from --gpu-memory-utilization).

@@ -132,6 +132,18 @@ def test_bad_inputs_are_400_naming_the_field(server, body, param):
     assert r.json()["error"]["param"] == param, r.text
 
 
+def test_the_engine_job_takes_token_ids_only(llm):
+    """The server's embeddings job runs between steps in the engine core: text is tokenized (and held to the
+    context) in the API process first, so the job refuses text rather than tokenize it there."""
+    from pagellm.engine.embedding import embed_token_ids
+
+    with pytest.raises(TypeError, match="takes a list of token ids, got str"):
+        embed_token_ids(llm.engine, "Hello")
+    ids = llm.get_tokenizer().encode(TEXTS[1])
+    vec, n = embed_token_ids(llm.engine, ids)
+    assert n == len(ids) and vec == pytest.approx(llm.embed(TEXTS[1])[0], abs=1e-6)
+
+
 def _slow_job(i, engine):
     time.sleep(JOB_SLICE_S * 0.6)
     return i

@@ -301,3 +301,13 @@ def test_sliding_window_follows_transformers(tiny_hf_model, tmp_path, arch, edit
     (path / "config.json").write_text(json.dumps({**cfg, **edit}))
     assert load_config(str(path)).sliding_window == window
 
+
+def test_llama3_rope_without_its_original_length_takes_the_context_as_transformers_does(tiny_hf_model, tmp_path):
+    import shutil
+
+    path = shutil.copytree(tiny_hf_model("llama"), tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_scaling": rope, "rope_parameters": None}))
+    assert load_config(str(path)).rope_scaling["original_max_position_embeddings"] == cfg["max_position_embeddings"]
+

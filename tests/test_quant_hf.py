@@ -294,6 +294,9 @@ def test_fp8_inputs_are_rounded_where_no_kernel_reads_the_blocks(checkpoint, mon
     got = layer(x)
     torch.testing.assert_close(got, fp8_activations(x, layer.packed.act_scale) @ layer.weight_t)
     assert (got - x @ layer.weight_t).abs().max() > 1e-4  # the rounding shows
+    # --quantization none: the dequantized weights only, by definition (no blocks, no input rounding)
+    plain = get_model(path, load_config(path), platform, torch.float32, quantization="none")
+    assert plain.layers[0].mlp.down_proj.packed is None
 
 
 def test_gptq_zero_biases_are_skipped_and_nonzero_ones_refused(tiny_hf_model, tmp_path):

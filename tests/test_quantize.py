@@ -355,6 +355,7 @@ def test_compressed_tensors_checkpoint_loads_in_transformers(tiny_dir, checkpoin
 def test_bad_options_are_one_line_exit_2(tiny_dir, tmp_path, args, message):
     r = _quantize_cli("--model", tiny_dir, "--group-size", str(G), "--out", str(tmp_path / "out"), *args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()  # refused before --out is made
 
 
 def test_out_dir_must_be_new_or_empty(tiny_dir, tmp_path):

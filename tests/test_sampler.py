@@ -327,3 +327,30 @@ def test_native_argmax_is_torchs_and_leaves_nan_rows_to_torch():
     assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
     x[11, 4000] = float("nan")
     assert ops.argmax_rows(x) is None  # torch's max takes the NaN: the caller asks torch
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_whose_next_row_allows_nothing_is_cut_not_the_request(temperature):
+    """Speculation with masks: after draft A, allowed_token_ids {A, B} less the bad words [A, A] and [A, B] leave
+    no token. Where the target's row 0 picks B (A is rejected), the row after A is never reached and the request
+    goes on (it had failed as 'no token is allowed'); where row 0 itself allows nothing, it fails, naming it."""
+    import dataclasses
+
+    from pagellm.core.scheduler import ScheduledRequest
+    from pagellm.request import Request
+    from pagellm.sample.sampler import NoTokenAllowedError
+    from pagellm.sample.step import StepSampler
+
+    a, b, vocab = 5, 7, 16
+    params = dataclasses.replace(SamplingParams(temperature=temperature, seed=0, max_tokens=8,
+                                                allowed_token_ids=[a, b]), bad_words_token_ids=[[a, a], [a, b]])
+    req = Request("r", [1, 2, 3], params)
+    req.num_computed_tokens = 3
+    logits = torch.zeros(3, vocab)
+    logits[:, b] = 50.0  # B wins row 0 by far: draft A is rejected at any temperature
+    step = StepSampler(Sampler([0]), torch.device("cpu"))
+    sampled = step([ScheduledRequest(req, 3, [0], spec_token_ids=[a, a])], logits)
+    assert sampled["r"].tokens[0].token_id == b and len(sampled["r"].tokens) == 1
+    req.output_token_ids.append(a)  # now A came: after it nothing is allowed
+    with pytest.raises(NoTokenAllowedError, match="^no token is allowed at output position 1"):
+        step([ScheduledRequest(req, 3, [0], spec_token_ids=[b, b])], logits)

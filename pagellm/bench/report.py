@@ -6,15 +6,17 @@ import json
 import os
 import tempfile
 
-# What matplotlib's savefig writes, by file name suffix (the plot's format follows the name).
-PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp")
+# What matplotlib's savefig writes, by file name suffix (the plot's format follows the name; none: png).
+PLOT_SUFFIXES = (".png", ".svg", ".svgz", ".pdf", ".ps", ".eps", ".jpg", ".jpeg", ".tif", ".tiff", ".webp",
+                 ".pgf", ".raw", ".rgba")
 
 
 def check_outputs(json_path: str | None = None, plot_path: str | None = None) -> None:
     """That each report path (--json, --plot) can be written, before a run that takes minutes: its directory
     made (as write_json would), the file or its directory writable (no file created), the plot's name a format
     matplotlib writes. ValueError: the CLI's one line."""
-    if plot_path and not plot_path.lower().endswith(PLOT_SUFFIXES):
+    suffix = os.path.splitext(plot_path or "")[1].lower()
+    if suffix and suffix not in PLOT_SUFFIXES:
         raise ValueError(f"--plot {plot_path}: name a {'/'.join(s[1:] for s in PLOT_SUFFIXES)} file (its suffix "
                          "picks the format)")
     for path in (json_path, plot_path):

@@ -133,9 +133,9 @@ def run_quantize(ns: argparse.Namespace) -> int:
                              "quantize its float original")
     cfg = load_config(path)
     made_out = bool(ns.out) and not os.path.exists(ns.out)
-    check_options(ns, cfg)  # makes --out
     ns.keep = [k.strip() for k in ns.keep.split(",") if k.strip()]
-    check_keep(ns.keep, cfg)
+    check_keep(ns.keep, cfg)  # before --out is made: a typo leaves no empty directory
+    check_options(ns, cfg)  # makes --out
     t0 = time.perf_counter()
     try:
         out = quantize(path, cfg, ns)

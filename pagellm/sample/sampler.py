@@ -120,10 +120,19 @@ def check_some_token_allowed(x: torch.Tensor, tokens: torch.Tensor, rows: list[S
     the sampling race returned an arbitrary banned id (the request then fails alone, naming why)."""
     banned = torch.isneginf(x.gather(1, tokens[:, None]).squeeze(1))
     if bool(banned.any()):
-        row = rows[int(banned.nonzero()[0, 0])]
-        raise NoTokenAllowedError(
-            f"{NO_TOKEN_ALLOWED} {len(row.output_token_ids)}: allowed_token_ids, bad_words, "
-            "min_tokens and the structured output's grammar together exclude every token")
+        raise no_token_allowed(rows[int(banned.nonzero()[0, 0])])
+
+
+def no_token_allowed(row: SamplingRow) -> NoTokenAllowedError:
+    return NoTokenAllowedError(f"{NO_TOKEN_ALLOWED} {len(row.output_token_ids)}: allowed_token_ids, bad_words, "
+                               "min_tokens and the structured output's grammar together exclude every token")
+
+
+def dead_rows(x: torch.Tensor, rows: list[SamplingRow]) -> list[bool] | None:
+    """Per processed row, whether its masks left no token (every logit -inf); None where no row's could."""
+    if not any(can_mask_every_token(r.params) for r in rows):
+        return None
+    return torch.isneginf(x).all(dim=-1).tolist()
 
 
 def _min_tokens_ids(row: SamplingRow, eos_token_ids: list[int]) -> list[int]:

@@ -19,9 +19,9 @@ from pagellm.sample.rejection import verify, verify_greedy
 from pagellm.sample.sampler import (
     Sampler,
     SamplingRow,
-    can_mask_every_token,
-    check_some_token_allowed,
+    dead_rows,
     logprob_ranks,
+    no_token_allowed,
     sampling_probs,
 )
 from pagellm.structured_output import StructuredOutputManager, apply_grammar_masks
@@ -97,29 +97,41 @@ class StepSampler:
                 work.append((s, range(row, row + n), rows))
             row += n
         greedy = [w for w in work if w[0].request.params.greedy]
-        argmax: dict[str, list[int]] = {}
+        argmax: dict[str, tuple[list[int], list[bool] | None]] = {}
         if greedy:
             idx = to_device([r for w in greedy for r in w[1]], logits.device)
             greedy_rows = [r for w in greedy for r in w[2]]
             x = self.sampler.process(logits[idx], greedy_rows)
-            best_t = argmax_rows(x)
-            if any(can_mask_every_token(r.params) for r in greedy_rows):
-                check_some_token_allowed(x, best_t, greedy_rows)
-            best = best_t.tolist()
+            best, dead = argmax_rows(x).tolist(), dead_rows(x, greedy_rows)
             at = 0
             for s, rows, _ in greedy:
-                argmax[s.request.request_id] = best[at:at + len(rows)]
+                argmax[s.request.request_id] = (best[at:at + len(rows)],
+                                                None if dead is None else dead[at:at + len(rows)])
                 at += len(rows)
         out = {}
         for s, rows, sampling_rows in work:  # in batch order: unseeded draws share the global RNG
             req, spec = s.request, s.spec_token_ids
             x = logits[rows.start:rows.stop]
             if req.params.greedy:
-                tokens = verify_greedy(argmax[req.request_id], spec)
+                best, dead = argmax[req.request_id]
+            else:
+                processed = self.sampler.process(x, sampling_rows)
+                dead = dead_rows(processed, sampling_rows)
+            if dead is not None and True in dead:
+                # A row whose masks leave no token (a grammar, bad_words, allowed_token_ids after the drafts
+                # before it): the drafts are verified only up to the row before it, which is lossless; the
+                # first row itself is this request's next position, where nothing may follow.
+                cut = dead.index(True)
+                if cut == 0:
+                    raise no_token_allowed(sampling_rows[0])
+                spec = spec[:cut - 1]
+            if req.params.greedy:
+                tokens = verify_greedy(best[:len(spec) + 1], spec)
             else:
                 draft_probs = s.draft_probs.to(self.device) if s.draft_probs is not None else None
-                tokens = verify(sampling_probs(self.sampler.process(x, sampling_rows), sampling_rows), spec,
-                                draft_probs, sampling_rows[0].generator)
+                n = len(spec) + 1
+                tokens = verify(sampling_probs(processed[:n], sampling_rows[:n]), spec, draft_probs,
+                                sampling_rows[0].generator)
             out[req.request_id] = self._with_logprobs(req, x, tokens)
         return out
 

@@ -56,8 +56,8 @@ class StructuredOutputManager:
                              "output may end, and banning the end-of-sequence token could leave no token")
         compiled = self.compile(spec)
         if params.allowed_token_ids is not None:
-            first = self._first_tokens(compiled)
-            if not any(0 <= t < self.vocab_size and (int(first[t // 32]) >> (t % 32)) & 1
+            first = self._first_tokens(compiled).tolist()  # one copy: the list may hold the whole vocabulary
+            if not any(0 <= t < self.vocab_size and (first[t // 32] >> (t % 32)) & 1
                        for t in params.allowed_token_ids):
                 raise ValueError("allowed_token_ids must hold a token that can start the structured output "
                                  "(none of them can)")

@@ -150,7 +150,9 @@ def iter_hf_weights(model_dir: str, config: ModelConfig, dtype: torch.dtype, pac
     qc = resolve_quantization(read_quant_config(model_dir, _read_json_object(os.path.join(model_dir, "config.json"))),
                               quantization, model_dir)
     if qc is not None:
-        yield from _iter_quantized(model_dir, config, dtype, packed, qc)
+        # W8A8 FP8 blocks carry the input rounding: they come even where no kernel reads them, but not under
+        # --quantization none (the dequantized weights only, by definition)
+        yield from _iter_quantized(model_dir, config, dtype, packed, qc, act_blocks=quantization != "none")
         return
     from safetensors import SafetensorError, safe_open
 
@@ -170,7 +172,7 @@ def iter_hf_weights(model_dir: str, config: ModelConfig, dtype: torch.dtype, pac
 
 
 def _iter_quantized(model_dir: str, config: ModelConfig, dtype: torch.dtype, packed: bool,
-                    qc: HFQuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
+                    qc: HFQuantConfig, act_blocks: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     from contextlib import ExitStack
 
     from safetensors import SafetensorError, safe_open
@@ -203,7 +205,7 @@ def _iter_quantized(model_dir: str, config: ModelConfig, dtype: torch.dtype, pac
                 tensors = {p: handles[where[f"{prefix}.{p}"]].get_tensor(f"{prefix}.{p}") for p in info}
                 pw = fmt.to_packed(err, qc, args, tensors, n, k, part_info(tensors))
                 yield prefix + ".weight", pw.dequantize().to(dtype)
-                if packed or pw.act_fp8:  # W8A8 FP8: the blocks carry the input rounding, kernels or not
+                if packed or (pw.act_fp8 and act_blocks):
                     yield prefix + ".weight" + PACKED_SUFFIX, pw
     except (SafetensorError, OSError) as e:
         raise ModelFileError(where.get(name, model_dir), f"safetensors: {e}",
