@@ -298,3 +298,9 @@ def test_argument_errors_are_one_line(args, first):
     """argparse printed its whole usage block (40-50 lines for serve) before the error line."""
     r = cli(*args)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(first), r.stderr
+
+
+def test_input_len_under_the_grounded_latency_task_is_refused_not_ignored():
+    r = cli("bench", "latency", "--input-len", "300")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "pagellm: error: --input-len sets the prompt of --task random"), r.stderr

@@ -21,7 +21,7 @@ def add_latency_parser(bsub) -> None:
                                     "speed-up and acceptance are reported.")
     p.add_argument("--task", choices=["grounded", "random"], default="grounded",
                    help="grounded: rewrite a given code block (chat template); random: random token prompts")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens for --task random")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens for --task random (default 128)")
     p.add_argument("--output-len", type=int, default=256, help="tokens generated per request")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="concurrent requests (default 1)")
     p.add_argument("--num-iters", type=int, default=2, help="timed runs per setting; the median is reported")
@@ -95,6 +95,9 @@ def _batch_row(args: dict, ns, batch: int) -> dict:
 
 def run_latency(ns: argparse.Namespace) -> int:
     check_outputs(ns.json, ns.plot)
+    if ns.input_len is not None and ns.task != "random":  # it was ignored: the grounded prompt is its code block
+        raise ValueError("--input-len sets the prompt of --task random; the grounded task's prompt is its code block")
+    ns.input_len = 128 if ns.input_len is None else ns.input_len
     for name, value in (("--num-iters", ns.num_iters), ("--output-len", ns.output_len),
                         ("--batch-sizes", min(ns.batch_sizes)), ("--input-len", ns.input_len)):
         if value < 1:
