@@ -234,6 +234,34 @@ def test_required_tool_choice_gives_calls_sync_async_and_streaming(client, serve
            [(t.function.name, t.function.arguments) for t in expected]
 
 
+def test_required_tool_choice_with_nested_models_in_defs(client):
+    """openai.pydantic_function_tool writes $defs for a nested model, referenced as "#/$defs/Inner"; under
+    "required" the tool's parameters sit deeper in the combined schema, so its definitions move to the root
+    (vLLM's); it had been a 400 "Cannot find field '$defs'". Two tools defining one name differently: a 400."""
+    from pydantic import BaseModel
+
+    class Inner(BaseModel):
+        n: int
+
+    class Outer(BaseModel):
+        inner: Inner
+
+    tool = openai.pydantic_function_tool(Outer)
+    assert "$defs" in tool["function"]["parameters"]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[tool], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=60, temperature=0.0)
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "Outer" and isinstance(args["inner"]["n"], int)
+    other = json.loads(json.dumps(tool))
+    other["function"]["name"] = "Other"
+    other["function"]["parameters"]["$defs"]["Inner"]["properties"]["n"] = {"type": "string"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[tool, other], tool_choice="required",
+                                       max_tokens=5)
+    assert e.value.body["param"] == "tools" and "$defs.Inner is defined differently" in e.value.body["message"]
+
+
 def test_a_required_call_cut_before_its_name_ends_streams_and_returns_alike(client):
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=3, temperature=0.0)
     c = client.chat.completions.create(**kw).choices[0]

@@ -191,13 +191,27 @@ def _parameters(schema: dict | None) -> dict:
     return schema if schema else {"type": "object", "properties": {}}
 
 
+_DEFS_KEYS = ("$defs", "definitions")  # where a schema keeps what its root-relative "#/$defs/..." refs name
+
+
 def _required_schema(tools, parallel: bool) -> dict:
-    """vLLM's schema for "required": a non-empty array of calls, each naming one tool with its parameters."""
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                             "parameters": _parameters(t.function.parameters)},
-              "required": ["name", "parameters"]} for t in tools]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    """vLLM's schema for "required": a non-empty array of calls, each naming one tool with its parameters. Each
+    tool's $defs / definitions move to the root, where its "#/$defs/X" references resolve once the parameters sit
+    deeper (openai.pydantic_function_tool writes them for every nested model); two tools defining one name
+    differently are a 400."""
+    defs: dict[str, dict] = {}
+    calls = []
+    for t in tools:
+        params = dict(_parameters(t.function.parameters))
+        for key in _DEFS_KEYS:
+            for name, sub in (params.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                    raise APIError(400, f"tools: {key}.{name} is defined differently by two tools; with tool_choice "
+                                        "\"required\" their definitions must agree", param="tools")
+        calls.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
     if not parallel:
         schema["maxItems"] = 1
     return schema
