@@ -120,6 +120,29 @@ def test_a_worker_that_fails_to_load_is_a_one_line_error(tiny_path, smollm_gguf_
     assert r.stderr.strip().splitlines()[-1].startswith("pagellm: error: worker rank"), r.stderr[-2000:]
 
 
+def test_a_busy_master_port_or_an_unknown_master_addr_is_one_line(tiny_path, smollm_gguf_path):
+    """Node 0 on a --master-port another process holds: c10d's traceback before; an address that does not
+    resolve: c10d retried it until its timeout (a hang, warning all along) on any node."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    base = [sys.executable, "-m", "pagellm.cli", "generate", "--model", tiny_path, "--tokenizer", smollm_gguf_path,
+            "-tp", "2", "--prompt", "hi", "--max-tokens", "2", "--kv-cache-memory", "16MiB", "--nnodes", "2"]
+    try:
+        for args, line in ((["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)],
+                            f"pagellm: error: --master-port {port}: cannot listen on 127.0.0.1:"),
+                           (["--node-rank", "1", "--master-addr", "no-such-host.invalid", "--master-port", str(port)],
+                            "pagellm: error: --master-addr 'no-such-host.invalid':")):
+            r = subprocess.run(base + args, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+            assert r.stderr.strip().splitlines()[-1].startswith(line), r.stderr[-2000:]
+    finally:
+        busy.close()
+
+
 def test_two_node_launch_on_one_machine_serves_and_stops_cleanly(tiny_path, smollm_gguf_path, tmp_path):
     """Node 1 runs headless workers for ranks 2 (its share of TP=2 x PP=1 over 2 nodes); node 0 runs the
     engine, its own worker and the HTTP server. SIGTERM to node 0 stops both nodes."""
@@ -175,3 +198,25 @@ def test_an_engine_that_fails_after_its_workers_started_stops_them(tiny_path, sm
         LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="16MiB", tensor_parallel_size=2,
             speculative_method="draft", draft_model="/no-such-draft")
     wait_until(lambda: _gone(children(os.getpid()) - before), timeout=30, what="the workers to exit")
+
+
+def test_requests_failed_by_a_dead_worker_say_why():
+    """The error each in-flight request gets names the worker's end (it said only 'WorkerFailedError'); any other
+    failure only by its type (a bug's message may quote what a request held)."""
+    import asyncio
+
+    from pagellm.engine.engine_front import EngineFront
+    from pagellm.engine.request_stream import EngineDeadError
+    from pagellm.sampling_params import SamplingParams as Params
+
+    async def fail_with(error):
+        front = EngineFront()
+        front._accepting, front._wakeup = True, asyncio.Event()
+        stream = front._queue([1, 2], Params(max_tokens=2), "r", None, None)
+        front._die(error, "")
+        return await stream.queue.get()
+
+    got = asyncio.run(fail_with(WorkerFailedError("worker rank 2 was killed by signal 9")))
+    assert isinstance(got, EngineDeadError) and str(got) == (
+        "the engine failed while running this request: WorkerFailedError: worker rank 2 was killed by signal 9")
+    assert str(asyncio.run(fail_with(RuntimeError("prompt text")))).endswith("request: RuntimeError")

@@ -299,6 +299,20 @@ def test_fp8_inputs_are_rounded_where_no_kernel_reads_the_blocks(checkpoint, mon
     assert plain.layers[0].mlp.down_proj.packed is None
 
 
+def test_fp8_dynamic_input_scales_are_not_split_across_tensor_parallel_ranks(checkpoint):
+    """A row-parallel split gives each rank part of a token's inputs; a dynamic (per-token absmax) scale would then
+    differ per rank, and so would the output (a probe: a different greedy token at TP=2). Refused; a static
+    input_scale splits."""
+    path, refs = checkpoint("fp8-tensor")
+    dynamic = _load(path)[sorted(refs)[0] + PACKED_SUFFIX]
+    assert dynamic.act_fp8 and dynamic.act_scale is None
+    with pytest.raises(ValueError, match="dynamic .*input scales cannot be split across tensor-parallel ranks"):
+        dynamic.columns(0, 32)
+    path, refs = checkpoint("fp8-channel-static")
+    static = _load(path)[sorted(refs)[0] + PACKED_SUFFIX]
+    assert static.columns(0, 32).act_scale == static.act_scale
+
+
 def test_gptq_zero_biases_are_skipped_and_nonzero_ones_refused(tiny_hf_model, tmp_path):
     """AutoGPTQ writes a zero `bias` for every quantized Linear, even on bias-free Llama layers: they load
     (adding nothing); a non-zero one there is one clear error, not silently dropped."""

@@ -29,6 +29,7 @@ from pagellm.engine.request_stream import (
     RequestStream,
     RequestTimeoutError,
 )
+from pagellm.executor.errors import WorkerFailedError
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -227,7 +228,10 @@ class EngineFront:
             logger.error(msg, len(self._streams))
         self.error = error
         self._accepting = False
-        err = EngineDeadError(f"the engine failed while running this request: {type(error).__name__}")
+        # A worker's or the core's end (killed by a signal, exited) is said as it is; other errors only by their
+        # type (a bug's message may quote what a request held)
+        detail = f": {error}" if isinstance(error, (WorkerFailedError, EngineDeadError)) else ""
+        err = EngineDeadError(f"the engine failed while running this request: {type(error).__name__}{detail}")
         for stream in list(self._streams.values()):
             if not stream.accepted.done():
                 stream.accepted.set_exception(err)

@@ -15,6 +15,7 @@ import datetime
 import logging
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -102,9 +103,14 @@ class MultiprocExecutor(Executor):
         self.spec = spec
         self._closed = False
         self._busy = threading.Lock()  # held while a step talks to the workers
+        check_master_addr(master_addr)
         port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
-        self.store = TCPStore(master_addr, port, None, True, datetime.timedelta(seconds=READY_TIMEOUT_S),
-                              wait_for_workers=False)
+        try:
+            self.store = TCPStore(master_addr, port, None, True, datetime.timedelta(seconds=READY_TIMEOUT_S),
+                                  wait_for_workers=False)
+        except RuntimeError as e:  # c10d's DistNetworkError: the port is taken, or the address is not this host's
+            raise ValueError(f"--master-port {port}: cannot listen on {master_addr}: "
+                             f"{str(e).strip().splitlines()[-1]}") from None
         # every worker on this host: step messages and results through shared memory, not gloo
         channels = nnodes == 1 and self.local_channels and has_room(TO_WORKERS_BYTES + FROM_RESULT_BYTES)
         if channels:
@@ -256,10 +262,19 @@ def _kill(procs: list) -> None:
         p.join(2.0)
 
 
+def check_master_addr(addr: str) -> None:
+    """--master-addr must resolve: c10d retried an unknown name until its timeout, warning all along."""
+    try:
+        socket.getaddrinfo(addr, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--master-addr {addr!r}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def run_headless(spec_source: tuple[str, int], nnodes: int, node_rank: int) -> int:
     """A node other than 0: spawn its workers (the engine on node 0 hosts the store and the spec), wait for
     them, return the exit status (0 when the engine stopped them)."""
     addr, port = spec_source
+    check_master_addr(addr)
     store = TCPStore(addr, port, None, False, datetime.timedelta(seconds=READY_TIMEOUT_S))
     spec: WorkerSpec = pickle.loads(store.get(SPEC_KEY))
     procs = spawn_workers(node_ranks(spec.world_size, nnodes, node_rank), addr, port)

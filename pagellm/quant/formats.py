@@ -87,6 +87,12 @@ class PackedWeight:
         if self.perm is not None:
             raise ValueError("a GPTQ act-order (desc_act) matrix keeps its columns in group order and cannot be "
                              "split across tensor-parallel ranks by input column")
+        if self.act_fp8 and self.act_scale is None:
+            # each rank would scale its part of a token's inputs by that part's own absmax: other roundings, other
+            # outputs than one rank (0.03 nats, a different greedy token, on a tiny model)
+            raise ValueError("a W8A8 FP8 matrix with dynamic (per-token) input scales cannot be split across "
+                             "tensor-parallel ranks by input column; use one rank, a checkpoint with a static "
+                             "input_scale, or --quantization none (weight-only)")
         g, per_byte = group_size(self.kind), 2 if self.kind in NIBBLE_KINDS else 1
         return replace(self, qs=self.qs[:, start // per_byte:end // per_byte].contiguous(),
                        d=self.d[:, start // g:end // g].contiguous(),
