@@ -50,22 +50,21 @@ def embed_token_ids(engine, ids: list[int], pooling: str | None = None,
     pooling = pooling or engine.args.embedding_pooling
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
-    check_token_ids(engine, ids, "input")
+    check_token_ids(ids, "input", engine.model_config.vocab_size, engine.max_model_len)
     with borrowed_request(engine, ids, "embed", KVCacheBusy) as req:
         return _pooled(engine, req, pooling, normalize), len(ids)
 
 
-def check_token_ids(engine, ids: list[int], what: str) -> None:
+def check_token_ids(ids: list[int], what: str, vocab: int, max_model_len: int) -> None:
     """ValueError naming `what` for an empty sequence, an id outside the vocabulary or one longer than
     max_model_len (nothing is generated, so the whole context may be used)."""
-    vocab = engine.model_config.vocab_size
     if not ids:
         raise ValueError(f"{what} must contain at least one token")
     bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"{what} token id {bad} is out of range [0, {vocab})")
-    if len(ids) > engine.max_model_len:
-        raise ValueError(f"{what} has {len(ids)} tokens, but max_model_len is {engine.max_model_len}")
+    if len(ids) > max_model_len:
+        raise ValueError(f"{what} has {len(ids)} tokens, but max_model_len is {max_model_len}")
 
 
 @contextlib.contextmanager

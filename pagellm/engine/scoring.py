@@ -20,7 +20,7 @@ def next_token_logprobs(engine, token_ids: list[int], start: int = 0, chunk: int
     """float32 log-softmax rows [len(token_ids) - start, vocab] on the CPU: row i is the distribution of the
     token after token_ids[:start + i + 1]. `engine` is an LLMEngine; ValueError for bad input."""
     ids = list(token_ids)
-    check_token_ids(engine, ids, "a scored sequence")
+    check_token_ids(ids, "a scored sequence", engine.model_config.vocab_size, engine.max_model_len)
     if not 0 <= start < len(ids):
         raise ValueError(f"start must be in [0, {len(ids)}), got {start}")
     chunk = chunk or engine.scheduler.config.max_num_batched_tokens

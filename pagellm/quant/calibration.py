@@ -40,15 +40,19 @@ def calibration_tokens(tokenizer, path: str, num_samples: int, seq_len: int, voc
     return torch.tensor(rows, dtype=torch.long)
 
 
+def module_name(index: int, proj: str) -> str:
+    """The Hugging Face name of decoder layer `index`'s projection `proj` (q_proj ... down_proj)."""
+    return f"model.layers.{index}.{'self_attn' if proj in ATTN else 'mlp'}.{proj}"
+
+
 class LayerWeights:
     """One decoder layer's tensors in a state dict of Hugging Face names (read and written in place)."""
 
     def __init__(self, state: dict[str, torch.Tensor], index: int):
-        self.state, self.prefix = state, f"model.layers.{index}."
+        self.state, self.index, self.prefix = state, index, f"model.layers.{index}."
 
     def name(self, proj: str) -> str:
-        part = "self_attn" if proj in ATTN else "mlp"
-        return f"{self.prefix}{part}.{proj}.weight"
+        return module_name(self.index, proj) + ".weight"
 
     def w(self, proj: str) -> torch.Tensor:
         return self.state[self.name(proj)]

@@ -97,10 +97,9 @@ def check_options(ns: argparse.Namespace, cfg: ModelConfig) -> None:
 def check_keep(keep: list[str], cfg: ModelConfig) -> None:
     """Every --keep substring must name some decoder matrix (a typo had quantized everything, silently), and
     one matrix at least must be left to quantize. lm_head is never quantized: naming it is allowed."""
-    from pagellm.quant.calibration import ATTN, MLP
+    from pagellm.quant.calibration import ATTN, MLP, module_name
 
-    names = [f"model.layers.{i}.{'self_attn' if p in ATTN else 'mlp'}.{p}"
-             for i in range(cfg.num_hidden_layers) for p in ATTN + MLP]
+    names = [module_name(i, p) for i in range(cfg.num_hidden_layers) for p in ATTN + MLP]
     unmatched = [k for k in keep if k != "lm_head" and not any(k in n for n in names)]
     if unmatched:
         raise ValueError(f"--keep {','.join(unmatched)}: matches no decoder matrix (their names are like "

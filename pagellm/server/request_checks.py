@@ -92,21 +92,28 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, p
                         f"completion.", param=param)
 
 
+async def token_ids_of(tokenizer, items: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
+    """Each item as token ids: the texts encoded together in one worker thread (off the event loop, and never in
+    the engine core), id lists as given."""
+    texts = [x for x in items if isinstance(x, str)]
+    encoded = iter(await asyncio.to_thread(
+        lambda: [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]) if texts else [])
+    return [next(encoded) if isinstance(x, str) else x for x in items]
+
+
 async def prepare_prompts(tokenizer, prompts: list[str | list[int]], params: SamplingParams, max_model_len: int,
                           add_special_tokens: bool = True, max_tokens_param: str = "max_tokens",
                           max_tokens: int | None = None) -> list[dict]:
     """Prompts -> vLLM TokensPrompt dicts ({"prompt_token_ids", "prompt"}) for the engine: text encoded
     in a worker thread, truncate_prompt_tokens applied (the text dropped then: it no longer matches), and
     max_tokens (`max_tokens` if given, else params.max_tokens) checked against the context."""
-    texts = [p for p in prompts if isinstance(p, str)]
     try:
-        encoded = iter(await asyncio.to_thread(
-            lambda: [tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]) if texts else [])
+        all_ids = await token_ids_of(tokenizer, prompts, add_special_tokens)
     except ValueError as e:  # text the tokenizer cannot take (Tokenizer.encode names it): text prompts are completions'
         raise bad_request(e, "prompt") from None
     out = []
-    for p in prompts:
-        text, ids = (p, next(encoded)) if isinstance(p, str) else (None, p)
+    for p, ids in zip(prompts, all_ids, strict=True):
+        text = p if isinstance(p, str) else None
         try:
             kept = truncate_prompt(ids, params, max_model_len)
         except ValueError as e:

@@ -13,11 +13,12 @@ from typing import Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict
 
-from pagellm.engine.embedding import embed_token_ids
+from pagellm.engine.embedding import check_token_ids, embed_token_ids
 from pagellm.engine.request_stream import EngineStoppedError, RequestTimeoutError
 from pagellm.server.common import ServerContext, admission_error, now_s, unless_disconnected
 from pagellm.server.errors import APIError
 from pagellm.server.fields import Flag, TokenId
+from pagellm.server.request_checks import token_ids_of
 from pagellm.server.request_limits import MAX_INPUTS, check_list_length
 
 
@@ -82,19 +83,13 @@ async def create_embedding(body: EmbeddingRequest, request: Request, ctx: Server
 
 
 async def _token_ids(ctx: ServerContext, inputs: list[str | list[int]], body: EmbeddingRequest) -> list[list[int]]:
-    """Every input as token ids, cut to truncate_prompt_tokens and held to the context here, in a worker thread
-    of the API process (the engine core runs embeddings between steps: embed_token_ids)."""
-    tok, limit = ctx.engine.tokenizer, ctx.engine.max_model_len
-    texts = [x for x in inputs if isinstance(x, str)]
-    encoded = iter(await asyncio.to_thread(
-        lambda: [tok.encode(t, add_special_tokens=body.add_special_tokens) for t in texts]) if texts else [])
+    """Every input as token ids, cut to truncate_prompt_tokens and checked here, in the API process (the engine
+    core runs embeddings between steps: embed_token_ids)."""
     out = []
-    for x in inputs:
-        ids = next(encoded) if isinstance(x, str) else x
+    for ids in await token_ids_of(ctx.engine.tokenizer, inputs, body.add_special_tokens):
         if body.truncate_prompt_tokens is not None:
             ids = ids[-body.truncate_prompt_tokens:]
-        if len(ids) > limit:
-            raise ValueError(f"input has {len(ids)} tokens, but max_model_len is {limit}")
+        check_token_ids(ids, "input", ctx.engine.info.model_config.vocab_size, ctx.engine.max_model_len)
         out.append(ids)
     return out
 
