@@ -89,7 +89,7 @@ class PackedWeight:
                              "split across tensor-parallel ranks by input column")
         if self.act_fp8 and self.act_scale is None:
             # each rank would scale its part of a token's inputs by that part's own absmax: other roundings, other
-            # outputs than one rank (0.03 nats, a different greedy token, on a tiny model)
+            # outputs than one rank (a probe saw a different greedy token at TP=2 on a tiny model)
             raise ValueError("a W8A8 FP8 matrix with dynamic (per-token) input scales cannot be split across "
                              "tensor-parallel ranks by input column; use one rank, a checkpoint with a static "
                              "input_scale, or --quantization none (weight-only)")
