@@ -165,12 +165,16 @@ def test_dtype_auto_single_stream_stays_close_to_float32(smollm_gguf_path):
     from pagellm.kernels import ops
 
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-    prompts = ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
+    # Six prompts: greedy runs part at near-ties, and where depends on the CPU's summation order (on an AMX Xeon
+    # the first three parted after 8, 20 and 21 tokens, 49 compared positions), so the count below needs headroom.
+    prompts = ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of",
+               "The capital of France is", "Once upon a time, in a small village,",
+               "import numpy as np\n\ndef mean(x):\n   "]
     exact, auto = LLM(smollm_gguf_path, dtype="float32"), LLM(smollm_gguf_path, dtype="auto")
     mode = auto.engine.model.layers[0].mlp.down_proj.int8_activations
     assert mode == (ops.INT8_FINE if get_platform("cpu").fine_int8_activations else ops.INT8_OFF)
     one_by_one = [(exact.generate([p], params, use_tqdm=False)[0].outputs[0],
                    auto.generate([p], params, use_tqdm=False)[0].outputs[0]) for p in prompts]
     diffs = agreeing_logprob_diffs(*zip(*one_by_one, strict=True), AUTO_WIDE_MARGIN)
-    assert len(diffs) >= 60
+    assert len(diffs) >= 80  # of 240 (145 on that Xeon)
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
