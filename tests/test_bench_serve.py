@@ -175,6 +175,31 @@ def _vllm_python() -> str | None:
     return python if os.path.isfile(python) else None
 
 
+def test_failed_streams_are_records_not_exceptions(server_url):
+    """The timed streams (aiohttp): a refused request and a closed port each give a record with the reason,
+    beside a request that succeeds on the same session."""
+    import asyncio
+
+    import aiohttp
+
+    from pagellm.bench.serve import _send
+    from pagellm.bench.workload import BenchRequest
+
+    model = httpx.get(server_url + "/v1/models").json()["data"][0]["id"]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return [await _send(s, base, name, BenchRequest(prompt, n), time.perf_counter()) for base, name, prompt, n
+                    in [(server_url, model, [100, 101, 102], 3), (server_url, "no-such-model", [100, 101], 2),
+                        (server_url, model, [100] * 2000, 2), ("http://127.0.0.1:1", model, [100], 2)]]
+
+    ok, wrong, huge, closed = asyncio.run(go())
+    assert ok.success and ok.output_tokens == 3 and ok.prompt_tokens == 3 and len(ok.itl) == 2
+    assert wrong.error.startswith("HTTP 404") and "no-such-model" in wrong.error and not wrong.success
+    assert huge.error.startswith("HTTP 400") and "1024" in huge.error and not huge.success
+    assert closed.error.startswith("ClientConnectorError") and not closed.success
+
+
 @pytest.mark.timeout(30)
 def test_url_or_peer():
     with pytest.raises(ValueError, match="needs --url .* or --peer"):
