@@ -44,19 +44,19 @@ def check_ngram_bounds(n_min: int, n_max: int) -> None:
 
 
 def parse_bytes(value: int | float | str) -> int:
-    """Accept 2147483648, "2GiB", "512MiB", "1.5GB" and return a byte count."""
+    """Accept 2147483648, "2GiB", "512MiB", "1.5GB", "8e10", "80 gb" and return a byte count."""
     if isinstance(value, bool):
         raise ValueError(f"expected a byte size, got {value!r}")
     if isinstance(value, int | float):
-        if not 0 < value < 2**63:  # nan and inf too
-            raise ValueError(f"byte size must be positive and below 2**63, got {value}")
+        if not 1 <= value < 2**63:  # nan and inf too
+            raise ValueError(f"byte size must be at least 1 byte and below 2**63, got {value}")
         return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"cannot parse byte size {value!r} (examples: 2GiB, 512MiB, 1000000)")
+        raise ValueError(f"cannot parse byte size {value!r} (examples: 2GiB, 512MiB, 1.5GB, 8e10)")
     n = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
     if not 1 <= n < 2**63:  # 400 digits overflow float to inf
-        raise ValueError(f"byte size must be positive and below 2**63, got {value!r}")
+        raise ValueError(f"byte size must be at least 1 byte and below 2**63, got {value!r}")
     return int(n)
 
 

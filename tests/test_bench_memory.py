@@ -91,3 +91,17 @@ def test_report_json_and_plot(make_engine, tmp_path):
     json.dumps(rep)
     plot_report(rep, str(tmp_path / "m.png"))
     assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+def test_cli_checks_its_outputs_and_prefix_before_loading(tmp_path, capsys):
+    """--json / --plot that cannot be written failed after the three scenarios had run; --prefix-len 0 ran the
+    shared-prefix scenario with nothing shared."""
+    from pagellm.cli import build_parser
+
+    parser = build_parser()
+    ns = parser.parse_args(["bench", "memory", "--model", "/nonexistent", "--json", "/proc/x.json"])
+    with pytest.raises(ValueError, match="cannot write /proc/x.json"):  # before the model (which is missing)
+        ns.func(ns)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "memory", "--prefix-len", "0"])
+    assert "--prefix-len: must be >= 1" in capsys.readouterr().err

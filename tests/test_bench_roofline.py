@@ -192,3 +192,33 @@ def test_peer_weight_bytes(tiny_gguf_model, tiny_hf_model):
     dense = roofline.dense_weight_bytes(load_config(hf), 4)
     assert weight_bytes_per_step("transformers", None, {"model": hf, "peer_dtype": "float32"}) == dense
     assert weight_bytes_per_step("transformers", None, {"model": hf, "peer_dtype": "bfloat16"}) == dense // 2
+
+
+def test_workloads_that_cannot_run_as_asked_are_refused_before_the_run(tiny_hf_model, smollm_gguf_path, tmp_path):
+    """Input + output past max_model_len: `bench throughput` ran the workload, then failed with a RuntimeError
+    traceback; `bench latency` printed figures for fewer tokens than asked (or ran a 100,000-token output for
+    minutes). A batch above --max-num-seqs would run in waves: not that batch. --plot without a suffix names the
+    file matplotlib writes (PATH.png), not PATH."""
+    from pagellm.bench.report import plot_written
+    from pagellm.bench.workload import check_fits
+    from pagellm.cli import build_parser
+
+    def run(argv):
+        ns = build_parser().parse_args(argv)
+        return ns.func(ns)
+
+    check_fits([(24, 8), (10, 20)], 32)
+    with pytest.raises(ValueError, match="up to 44 tokens exceeds max_model_len 32"):
+        check_fits([(24, 20)], 32)
+    model = tiny_hf_model("llama")
+    common = ["--model", model, "--tokenizer", smollm_gguf_path, *TINY, "--max-model-len", "32"]
+    with pytest.raises(ValueError, match="exceeds max_model_len 32"):
+        run(["bench", "throughput", *common, "--num-prompts", "2", "--input-len", "24", "24", "--output-len", "20",
+             "20"])
+    with pytest.raises(ValueError, match="exceeds max_model_len 32"):
+        run(["bench", "latency", *common, "--task", "random", "--input-len", "24", "--output-len", "20",
+             "--num-iters", "1"])
+    with pytest.raises(ValueError, match="--batch-sizes 65 is more than --max-num-seqs 64"):
+        run(["bench", "latency", "--task", "random", "--batch-sizes", "1", "65"])
+    assert plot_written(str(tmp_path / "p")) == str(tmp_path / "p.png")
+    assert plot_written(str(tmp_path / "p.svg")) == str(tmp_path / "p.svg")

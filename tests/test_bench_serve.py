@@ -301,3 +301,47 @@ def test_launched_pagellm_and_vllm(tmp_path, capsys):
     ratio = report["pagellm_over_server"]["vllm"]["output_throughput"]
     assert ratio == pytest.approx(p["results"]["output_throughput"] / v["results"]["output_throughput"], rel=1e-2)
     assert any(line.startswith("output throughput tok/s") and line.endswith("x") for line in text.splitlines())
+
+
+def test_sharegpt_files_of_another_shape_are_one_line(tmp_path):
+    """A file that is not ShareGPT's layout (a probe's `{"a": 1}`, `[1, 2]`, `[{"conversations": "x"}]`)
+    was an AttributeError traceback; not JSON or not UTF-8 named neither the file nor the option."""
+    from pagellm.bench.serve import _sharegpt_conversations
+
+    cases = {'{"a": 1}': "expected a JSON list", "[1, 2]": "entry 0 is not an object",
+             '[{"conversations": "x"}]': "entry 0 is not an object",
+             '[{"conversations": []}, {"conversations": [{"from": "human", "value": 3}]}]': "entry 1 is not",
+             "nope": "not JSON"}
+    for i, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"{i}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"--dataset sharegpt-json {re.escape(str(path))}: {message}"):
+            _sharegpt_conversations(str(path))
+    binary = tmp_path / "b.json"
+    binary.write_bytes(b"\xff\xfe[")
+    with pytest.raises(ValueError, match="b.json: not JSON"):
+        _sharegpt_conversations(str(binary))
+    ok = tmp_path / "ok.json"
+    ok.write_text('[{"conversations": [{"from": "human", "value": "hi"}]}, {"id": 3}]')
+    assert _sharegpt_conversations(str(ok)) == [[{"from": "human", "value": "hi"}], []]
+
+
+@pytest.mark.timeout(60)
+def test_outputs_checked_before_the_run_and_a_foreign_server_is_one_line(tmp_path):
+    """--json / --plot that cannot be written fail before any request (they failed after the whole run), and a
+    server that is not OpenAI-compatible (http.server: /v1/models is a 404) is one line, without httpx's link."""
+    import http.server
+    import threading
+
+    for extra, message in ((["--json", "/proc/x.json"], "cannot write /proc/x.json"),
+                           (["--plot", str(tmp_path / "p.txt")], "--plot .*: name a")):
+        with pytest.raises(ValueError, match=message):  # port 1: a request would fail differently
+            main_raising(["bench", "serve", "--url", "http://127.0.0.1:1", *extra])
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ValueError) as e:
+            main_raising(["bench", "serve", "--url", f"http://127.0.0.1:{srv.server_address[1]}"])
+    finally:
+        srv.shutdown()
+    assert str(e.value).startswith("cannot list models at") and "404" in str(e.value) and "\n" not in str(e.value)

@@ -130,3 +130,23 @@ def test_plan_device_memory_must_be_a_finite_size(size):
     r = subprocess.run([sys.executable, "-m", "pagellm.cli", "plan", "--model", "llama-3-8b", "--device-memory", size],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--device-memory" in r.stderr, r.stderr
+
+
+def test_plan_sizes_parse_as_the_engines_and_a_length_past_the_context_is_the_context():
+    """--device-memory takes what --kv-cache-memory takes (one parser: 8e10, '80 gb', 1.5KiB), and a
+    --max-model-len past the model's context plans the context, as the engine would run it (a probe's
+    `--max-model-len 100000` planned 4 sequences of 100,000 tokens for an 8,192-token model)."""
+    from pagellm.config import parse_bytes
+    from pagellm.plan.plan_cli import parse_size
+
+    for text in ("8e10", "80 GB", "80gb", "80G", "1.5KiB", "24GiB"):
+        assert parse_size(text) == parse_bytes(text)
+    assert parse_size("8e10") == 80 * 10**9 and parse_bytes("1.5KiB") == 1536
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        parse_size("0.1B")
+    base = [sys.executable, "-m", "pagellm.cli", "plan", "--model", "llama-3-8b", "--gpu", "h100-80gb", "--json"]
+    long = subprocess.run([*base, "--max-model-len", "100000"], capture_output=True, text=True, timeout=60)
+    ctx = subprocess.run([*base, "--max-model-len", "8192"], capture_output=True, text=True, timeout=60)
+    assert "longer than the model's context (8192 tokens)" in long.stderr and long.returncode == ctx.returncode == 0
+    assert json.loads(long.stdout) == json.loads(ctx.stdout)
+    assert json.loads(long.stdout)["max_model_len"] == 8192

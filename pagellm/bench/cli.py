@@ -8,7 +8,7 @@ import time
 
 from pagellm import cli_types
 from pagellm.bench.common import machine_info, print_platform_line, throughput_roofline
-from pagellm.bench.report import check_outputs, write_json
+from pagellm.bench.report import check_outputs, plot_written, write_json
 from pagellm.config import EngineArgs
 
 
@@ -88,5 +88,5 @@ def run_throughput_bench(ns: argparse.Namespace) -> int:
 
         plot_engines([result], "output_tokens_per_s", "output tokens/s (higher is better)", False, ns.plot,
                      "pagellm bench throughput")
-        print(f"wrote {ns.plot}")
+        print(f"wrote {plot_written(ns.plot)}")
     return 0

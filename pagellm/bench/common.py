@@ -71,8 +71,10 @@ def timed_latency_run(llm, prompts: list[list[int]], output_len: int, ignore_eos
     token (mean); decode tok/s: the tokens after each request's first one, over the time after the first
     token of any request."""
     from pagellm import SamplingParams
+    from pagellm.bench.workload import check_fits
 
     eng = llm.engine
+    check_fits([(len(p), output_len) for p in prompts], eng.max_model_len)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -131,8 +133,12 @@ async def served_model(client, base: str, wanted: str | None, default_len: int) 
     try:
         r = await client.get(base + "/v1/models")
         r.raise_for_status()
-    except httpx.HTTPError as e:
-        raise ValueError(f"cannot list models at {base}/v1/models: {e}") from None
-    served = r.json()["data"]
-    model = wanted or served[0]["id"]
+    except httpx.HTTPError as e:  # its first line: httpx adds a second, a link explaining the status code
+        raise ValueError(f"cannot list models at {base}/v1/models: {str(e).splitlines()[0]}") from None
+    try:
+        served = r.json()["data"]
+        model = wanted or served[0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{base}/v1/models did not answer as an OpenAI-compatible server does (a list of models "
+                         "under 'data')") from None
     return model, next((m.get("max_model_len") for m in served if m["id"] == model), None) or default_len

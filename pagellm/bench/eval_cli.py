@@ -10,7 +10,7 @@ import sys
 import time
 
 from pagellm import cli_types
-from pagellm.bench.report import check_outputs
+from pagellm.bench.report import check_outputs, plot_written
 
 # The columns printed per configuration (every figure is in the JSON).
 _COLUMNS = (("perplexity", "ppl", "{:.4f}"), ("kl_mean", "kl_mean", "{:.2e}"), ("kl_p99", "kl_p99", "{:.2e}"),
@@ -112,7 +112,7 @@ def run_eval(ns: argparse.Namespace) -> int:
         print(f"wrote {ns.json}")
     if ns.plot:
         plot_eval(report, ns.plot)
-        print(f"wrote {ns.plot}")
+        print(f"wrote {plot_written(ns.plot)}")
     return 0
 
 

@@ -10,7 +10,7 @@ import time
 
 from pagellm.bench import roofline
 from pagellm.bench.common import latency_prompts, latency_roofline, print_platform_line, timed_latency_run
-from pagellm.bench.report import check_outputs, write_json
+from pagellm.bench.report import check_outputs, plot_written, write_json
 from pagellm.config import EngineArgs
 
 
@@ -102,6 +102,9 @@ def run_latency(ns: argparse.Namespace) -> int:
                         ("--batch-sizes", min(ns.batch_sizes)), ("--input-len", ns.input_len)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    if max(ns.batch_sizes) > ns.max_num_seqs:  # the engine would run it in waves: not a batch of that size
+        raise ValueError(f"--batch-sizes {max(ns.batch_sizes)} is more than --max-num-seqs {ns.max_num_seqs} runs "
+                         "at once: raise --max-num-seqs to measure that batch")
     print_platform_line(ns.device, ns.num_threads)
     if ns.peer:  # every engine in its own process, one table; all of them ignore EOS
         from pagellm.bench.peers import latency_with_peers
@@ -122,7 +125,7 @@ def run_latency(ns: argparse.Namespace) -> int:
         write_json(ns.json, report)
     if ns.plot:
         _plot(rows, spec_method, ns.plot)
-        print(f"wrote {ns.plot}")
+        print(f"wrote {plot_written(ns.plot)}")
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import random
 import sys
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 from pagellm import cli_types
 from pagellm.bench.common import machine_info
+from pagellm.bench.report import check_outputs, plot_written, write_json
 from pagellm.bench.workload import BenchRequest, random_workload
 from pagellm.config import EngineArgs
 from pagellm.core.kv_cache_manager import KVCacheManager, cdiv
@@ -316,7 +316,7 @@ def add_memory_parser(bsub) -> None:
                                     "independent requests, and paged versus contiguous waste.")
     m.add_argument("--shared-requests", type=cli_types.positive_int, default=32,
                    help="requests sharing the prefix (default 32)")
-    m.add_argument("--prefix-len", type=cli_types.nonnegative_int, default=1024,
+    m.add_argument("--prefix-len", type=cli_types.positive_int, default=1024,
                    help="shared prefix tokens (default 1024)")
     m.add_argument("--question-len", type=cli_types.positive_int, default=32,
                    help="distinct tokens per request (default 32)")
@@ -361,21 +361,18 @@ def run_memory_bench(engine, ns: argparse.Namespace) -> dict:
 def _memory(ns: argparse.Namespace) -> int:
     from pagellm.engine.llm_engine import LLMEngine
 
+    check_outputs(ns.json, ns.plot)  # before a run that takes minutes
     engine = LLMEngine(EngineArgs.from_cli_args(ns))
     report = {"benchmark": "memory", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
               "command": "pagellm " + " ".join(sys.argv[1:]), "engine_args": vars(engine.args),
               **run_memory_bench(engine, ns)}
     print(format_report(report))
-    for path in (ns.json, ns.plot):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        print(f"wrote {ns.json}")
+        write_json(ns.json, report)
     if ns.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.plot)), exist_ok=True)
         plot_report(report, ns.plot)
-        print(f"wrote {ns.plot}")
+        print(f"wrote {plot_written(ns.plot)}")
     return 0
 
 

@@ -22,7 +22,7 @@ import sys
 import time
 
 from pagellm.bench.common import latency_prompts, latency_roofline, machine_info, throughput_roofline
-from pagellm.bench.report import write_json
+from pagellm.bench.report import plot_written, write_json
 from pagellm.config import EngineArgs
 
 PEERS = ("transformers", "llama.cpp", "vllm")
@@ -223,7 +223,7 @@ def _write(ns, report: dict, results: list[dict], metric: str, label: str, by_ba
     if ns.plot:
         model = os.path.basename(report["engine_args"]["model"].rstrip("/"))
         plot_engines(results, metric, label, by_batch, ns.plot, f"pagellm bench {report['benchmark']}: {model}")
-        print(f"wrote {ns.plot}")
+        print(f"wrote {plot_written(ns.plot)}")
 
 
 def plot_engines(results: list[dict], metric: str, label: str, by_batch: bool, path: str, title: str) -> None:

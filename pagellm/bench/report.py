@@ -41,6 +41,11 @@ def check_outputs(json_path: str | None = None, plot_path: str | None = None) ->
             raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
 
 
+def plot_written(path: str) -> str:
+    """The file savefig writes for --plot PATH: a name without a suffix gets '.png' (matplotlib's default)."""
+    return path if os.path.splitext(path)[1] else path + ".png"
+
+
 def write_json(path: str, report: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

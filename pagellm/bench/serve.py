@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from pagellm import cli_types
 from pagellm.bench.common import print_platform_line, served_model
-from pagellm.bench.report import write_json
+from pagellm.bench.report import check_outputs, plot_written, write_json
 from pagellm.bench.workload import BenchRequest, random_workload
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -176,12 +176,34 @@ class _LocalTokenizer:
         return self.tok.encode(text, add_special_tokens=special)
 
 
+def _sharegpt_conversations(path: str) -> list[list[dict]]:
+    """Each entry's "conversations" list (ShareGPT's layout: [{"conversations": [{"from": "human", "value":
+    ...}, ...]}, ...]); a file of another shape is one ValueError naming the file, not a traceback."""
+    what = f"--dataset sharegpt-json {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{what}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what}: not JSON ({e})") from None
+    entry = '{"conversations": [{"from": ..., "value": ...}, ...]}'
+    if not isinstance(data, list):
+        raise ValueError(f"{what}: expected a JSON list of {entry} objects")
+    convs = []
+    for i, item in enumerate(data):
+        conv = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(item, dict) or not isinstance(conv or [], list) or not all(
+                isinstance(t, dict) and isinstance(t.get("value", ""), str) for t in conv or []):
+            raise ValueError(f"{what}: entry {i} is not an object like {entry}")
+        convs.append(conv or [])
+    return convs
+
+
 async def _sharegpt(tokenizer, path: str, n: int, seed: int, max_model_len: int) -> list[BenchRequest]:
     """First human turn as the prompt, the first gpt turn's token count as the output length. Like vLLM,
     very short answers (< 4 tokens) and pairs that do not fit the context are skipped."""
-    with open(path) as f:
-        data = json.load(f)
-    convs = [d.get("conversations") or [] for d in data]
+    convs = _sharegpt_conversations(path)
     random.Random(seed).shuffle(convs)
     out: list[BenchRequest] = []
     for conv in convs:
@@ -386,6 +408,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         raise ValueError("--num-prompts, --request-rate, --burstiness and --max-concurrency must be positive")
     if not ns.url and not ns.peer:
         raise ValueError("bench serve needs --url (a running server) or --peer pagellm|vllm (start them here)")
+    check_outputs(ns.json, ns.plot)  # before the run, not after it
     if ns.plot:
         import matplotlib  # noqa: F401  -- fail before the run, not after it
 
@@ -405,5 +428,5 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         from pagellm.bench.plot import plot_serve
 
         plot_serve(report, ns.plot)
-        print(f"wrote {ns.plot}")
+        print(f"wrote {plot_written(ns.plot)}")
     return 0 if report["results"]["completed"] else 1

@@ -146,7 +146,7 @@ def _commands(ns, serve_args: list[str], model: str, threads: int) -> dict[str, 
 
 def run_launched(ns: argparse.Namespace, slos: dict[str, float], kind: str, path: str | None) -> int:
     from pagellm.bench import serve
-    from pagellm.bench.report import write_json
+    from pagellm.bench.report import plot_written, write_json
     from pagellm.config import EngineArgs
     from pagellm.model.loader import load_config, resolve_model_path
     from pagellm.server.launch import add_serve_parser
@@ -205,7 +205,7 @@ def run_launched(ns: argparse.Namespace, slos: dict[str, float], kind: str, path
         write_json(ns.json, out)
     if ns.plot:
         plot_servers(reports, ns.plot)
-        print(f"wrote {ns.plot}")
+        print(f"wrote {plot_written(ns.plot)}")
     ok = all(r["results"]["completed"] == len(requests) for r in reports)
     return 0 if ok and not failed else 1
 

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from pagellm import cli_types
 from pagellm.bench.common import served_model
-from pagellm.bench.report import write_json
+from pagellm.bench.report import plot_written, write_json
 from pagellm.bench.soak_report import checks, plot_soak, print_summary, summarize
 from pagellm.bench.soak_traffic import CANARY_PROMPTS, Outcome, Spec, TrafficMix, send
 
@@ -345,7 +345,7 @@ def run_soak(ns: argparse.Namespace) -> int:
         write_json(ns.json, report)
     if ns.plot:
         plot_soak(report, ns.plot)
-        print(f"wrote {ns.plot}")
+        print(f"wrote {plot_written(ns.plot)}")
     failed = [name for name, c in report["checks"].items() if not c["ok"]]
     if failed:
         print(f"soak FAILED: {', '.join(failed)}", file=sys.stderr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pagellm.bench.workload import BenchRequest
+from pagellm.bench.workload import BenchRequest, check_fits
 
 
 def warm_up_pagellm(llm, prompts: list[list[int]]) -> None:
@@ -16,6 +16,7 @@ def warm_up_pagellm(llm, prompts: list[list[int]]) -> None:
 def run_pagellm_throughput(llm, workload: list[BenchRequest], warm_up: bool = True) -> dict:
     from pagellm import SamplingParams
 
+    check_fits([(len(r.prompt_token_ids), r.output_len) for r in workload], llm.engine.max_model_len)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
     if warm_up:

@@ -23,3 +23,12 @@ def random_workload(num_requests: int, vocab_size: int, prompt_len: tuple[int, i
         n_out = rng.randint(*output_len)
         out.append(BenchRequest([rng.randrange(low_token_id, vocab_size) for _ in range(n_in)], n_out))
     return out
+
+
+def check_fits(lengths: list[tuple[int, int]], max_model_len: int) -> None:
+    """(prompt, output) token counts against the engine's max_model_len, before a run: a request that cannot
+    fit would stop early (fewer output tokens than the figures claim) or be refused mid-run."""
+    longest = max(p + o for p, o in lengths)
+    if longest > max_model_len:
+        raise ValueError(f"input + output length up to {longest} tokens exceeds max_model_len {max_model_len} "
+                         "(shorter --input-len / --output-len, or a larger --max-model-len)")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
-from pagellm.config import KV_CACHE_DTYPES, ModelConfig, check_block_size
+from pagellm.config import KV_CACHE_DTYPES, ModelConfig, check_block_size, parse_bytes
 from pagellm.plan.memory import MemoryPlan, plan_memory, smallest_parallelism
 from pagellm.plan.presets import ARCHITECTURES, GPUS, preset_config
 
@@ -14,21 +15,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def parse_size(text: str) -> int:
-    """80GB, 141e9, 24GiB -> bytes (GB decimal, GiB binary)."""
-    t = text.strip().upper().replace(" ", "")
-    for suffix, scale in (("GIB", 2**30), ("MIB", 2**20), ("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("B", 1)):
-        if t.endswith(suffix):
-            t, mult = t[: -len(suffix)], scale
-            break
-    else:
-        mult = 1
+    """80GB, 141e9, 24GiB -> bytes (GB decimal, GiB binary): the engine's own parser (--kv-cache-memory)."""
     try:
-        value = float(t) * mult
-    except ValueError:
-        raise ValueError(f"--device-memory {text!r}: expected a size such as 80GB, 24GiB or 8e10") from None
-    if not 1 <= value < 2**80:  # NaN and inf fail too; under a byte is no device
-        raise ValueError(f"--device-memory {text!r} must be at least 1 byte and finite")
-    return int(value)
+        return parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"--device-memory: {e}") from None
 
 
 def host_memory_bytes() -> int:
@@ -96,6 +87,11 @@ def run_plan(ns: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     check_block_size(ns.block_size, "--block-size")  # what the engine takes, so a plan is one it can run
+    if ns.max_model_len is not None and ns.max_model_len > cfg.max_position_embeddings:
+        # the engine uses the model's context then (engine/kv_sizing.fit_max_model_len): plan what it would run
+        print(f"note: --max-model-len {ns.max_model_len} is longer than the model's context "
+              f"({cfg.max_position_embeddings} tokens): planning for {cfg.max_position_embeddings}", file=sys.stderr)
+        ns.max_model_len = cfg.max_position_embeddings
 
     def plan(tp: int, pp: int) -> MemoryPlan:
         return plan_memory(cfg, ns.model, device, tp, pp, dtype, ns.kv_cache_dtype, ns.quantization,
