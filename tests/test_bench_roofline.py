@@ -218,6 +218,9 @@ def test_workloads_that_cannot_run_as_asked_are_refused_before_the_run(tiny_hf_m
     with pytest.raises(ValueError, match="exceeds max_model_len 32"):
         run(["bench", "latency", *common, "--task", "random", "--input-len", "24", "--output-len", "20",
              "--num-iters", "1"])
+    # a run that fits exactly: its warm-up takes no more output than the run (it took 8 tokens and was refused)
+    assert run(["bench", "latency", *common, "--task", "random", "--input-len", "28", "--output-len", "4",
+                "--num-iters", "1"]) == 0
     with pytest.raises(ValueError, match="--batch-sizes 65 is more than --max-num-seqs 64"):
         run(["bench", "latency", "--task", "random", "--batch-sizes", "1", "65"])
     assert plot_written(str(tmp_path / "p")) == str(tmp_path / "p.png")

@@ -180,15 +180,13 @@ def test_failed_streams_are_records_not_exceptions(server_url):
     beside a request that succeeds on the same session."""
     import asyncio
 
-    import aiohttp
-
-    from pagellm.bench.serve import _send
+    from pagellm.bench.serve import _send, stream_session
     from pagellm.bench.workload import BenchRequest
 
     model = httpx.get(server_url + "/v1/models").json()["data"][0]["id"]
 
     async def go():
-        async with aiohttp.ClientSession() as s:
+        async with stream_session({}, 60.0) as s:
             return [await _send(s, base, name, BenchRequest(prompt, n), time.perf_counter()) for base, name, prompt, n
                     in [(server_url, model, [100, 101, 102], 3), (server_url, "no-such-model", [100, 101], 2),
                         (server_url, model, [100] * 2000, 2), ("http://127.0.0.1:1", model, [100], 2)]]
@@ -345,3 +343,64 @@ def test_outputs_checked_before_the_run_and_a_foreign_server_is_one_line(tmp_pat
     finally:
         srv.shutdown()
     assert str(e.value).startswith("cannot list models at") and "404" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_timeout_bounds_each_wait_not_the_stream_and_silent_servers_are_one_line():
+    """--timeout bounds each wait for data, as httpx.Timeout did: a stream that takes 4x the timeout with shorter
+    gaps succeeds, one that stalls past it is a failed record that says so; a /v1/models that never answers is
+    one line (httpx's timeouts have empty messages: str(e).splitlines()[0] was an IndexError)."""
+    import asyncio
+
+    from pagellm.bench.common import served_model
+    from pagellm.bench.serve import _send, stream_session
+    from pagellm.bench.workload import BenchRequest
+
+    async def sse(reader, writer, gap: float, chunks: int):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        for _ in range(chunks):
+            writer.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            await writer.drain()
+            await asyncio.sleep(gap)
+        writer.write(b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 4}}\n\n'
+                     b"data: [DONE]\n\n")
+        await writer.drain()
+        writer.close()
+
+    async def go():
+        steady = await asyncio.start_server(lambda r, w: sse(r, w, 0.1, 4), "127.0.0.1", 0)
+        stall = await asyncio.start_server(lambda r, w: sse(r, w, 0.6, 2), "127.0.0.1", 0)
+        silent = await asyncio.start_server(lambda r, w: asyncio.sleep(5), "127.0.0.1", 0)
+        urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in (steady, stall, silent)]
+        async with stream_session({}, 0.25) as session:
+            recs = [await _send(session, u, "m", BenchRequest([100], 4), time.perf_counter()) for u in urls[:2]]
+        async with httpx.AsyncClient(timeout=httpx.Timeout(0.25)) as client:
+            try:
+                await served_model(client, urls[2], None, 1)
+            except ValueError as e:
+                recs.append(str(e))
+        for s in (steady, stall, silent):
+            s.close()
+        return recs
+
+    steady, stalled, silent = asyncio.run(go())
+    assert steady.success and steady.output_tokens == 4 and steady.e2el > 0.25
+    assert not stalled.success and "Timeout" in stalled.error and stalled.error.split(": ", 1)[1]
+    assert silent.startswith("cannot list models at") and silent.endswith("ReadTimeout") and "\n" not in silent
+
+
+def test_sharegpt_turns_without_a_value_are_skipped(tmp_path):
+    import asyncio
+
+    from pagellm.bench.serve import _sharegpt
+
+    class Words:
+        async def encode(self, text, special):
+            return [100] * len(text.split())
+
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([
+        {"conversations": [{"from": "human"}, {"from": "gpt", "value": "a b c d e"}]},
+        {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "a b c d e"}]}]))
+    reqs = asyncio.run(_sharegpt(Words(), str(data), 1, 0, 100))
+    assert [(len(r.prompt_token_ids), r.output_len) for r in reqs] == [(2, 5)]  # was a KeyError: 'value'

@@ -150,3 +150,7 @@ def test_plan_sizes_parse_as_the_engines_and_a_length_past_the_context_is_the_co
     assert "longer than the model's context (8192 tokens)" in long.stderr and long.returncode == ctx.returncode == 0
     assert json.loads(long.stdout) == json.loads(ctx.stdout)
     assert json.loads(long.stdout)["max_model_len"] == 8192
+    # where the KV cache cannot hold the length asked, the engine refuses it (kv_sizing.fit_max_model_len): no fit
+    small = subprocess.run([*base[:-3], "--device-memory", "24GiB", "--max-model-len", "100000", "--json"],
+                           capture_output=True, text=True, timeout=60)
+    assert small.returncode == 1 and json.loads(small.stdout)["max_model_len"] == 100000

@@ -134,11 +134,13 @@ async def served_model(client, base: str, wanted: str | None, default_len: int) 
         r = await client.get(base + "/v1/models")
         r.raise_for_status()
     except httpx.HTTPError as e:  # its first line: httpx adds a second, a link explaining the status code
-        raise ValueError(f"cannot list models at {base}/v1/models: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"cannot list models at {base}/v1/models: "
+                         f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
     try:
         served = r.json()["data"]
         model = wanted or served[0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
+        max_len = next((m.get("max_model_len") for m in served if m["id"] == model), None)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise ValueError(f"{base}/v1/models did not answer as an OpenAI-compatible server does (a list of models "
                          "under 'data')") from None
-    return model, next((m.get("max_model_len") for m in served if m["id"] == model), None) or default_len
+    return model, max_len or default_len

@@ -40,7 +40,7 @@ def _engine(engine_kwargs: dict, ns, batch: int):
 
     llm = LLM(**engine_kwargs)
     prompts = latency_prompts(llm.engine.tokenizer, llm.engine.model_config.vocab_size, ns.task, ns.input_len, batch)
-    timed_latency_run(llm, prompts[:1], 8, ns.task == "random")  # warm-up
+    timed_latency_run(llm, prompts[:1], min(8, ns.output_len), ns.task == "random")  # warm-up
     return llm, prompts, _spec_counts(llm)
 
 

@@ -112,13 +112,15 @@ def _run_all(ns: argparse.Namespace, spec: dict) -> tuple[list[dict], list[str],
 
 
 def throughput_with_peers(ns: argparse.Namespace) -> int:
-    from pagellm.bench.workload import random_workload
+    from pagellm.bench.workload import check_fits, random_workload
     from pagellm.model.loader import load_config
 
     spec, path = _base_spec(ns)
     cfg = load_config(path)
     workload = random_workload(ns.num_prompts, cfg.vocab_size, tuple(ns.input_len), tuple(ns.output_len),
                                ns.workload_seed)
+    check_fits([(len(r.prompt_token_ids), r.output_len) for r in workload],
+               ns.max_model_len or cfg.max_position_embeddings)  # here, not in pagellm's process after its load
     spec.update(mode="throughput", requests=[[r.prompt_token_ids, r.output_len] for r in workload])
     results, skipped, failed = _run_all(ns, spec)
     if not results:
@@ -140,6 +142,7 @@ def throughput_with_peers(ns: argparse.Namespace) -> int:
 
 
 def latency_with_peers(ns: argparse.Namespace) -> int:
+    from pagellm.bench.workload import check_fits
     from pagellm.model.loader import load_config
     from pagellm.tokenizer import Tokenizer
 
@@ -149,6 +152,7 @@ def latency_with_peers(ns: argparse.Namespace) -> int:
     vocab = cfg.vocab_size
     batches = [{"batch_size": b, "prompts": latency_prompts(tok, vocab, ns.task, ns.input_len, b)}
                for b in ns.batch_sizes]
+    check_fits([(len(batches[0]["prompts"][0]), ns.output_len)], ns.max_model_len or cfg.max_position_embeddings)
     spec.update(mode="latency", batches=batches, output_len=ns.output_len, num_iters=ns.num_iters)
     results, skipped, failed = _run_all(ns, spec)
     if not results:

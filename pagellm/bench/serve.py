@@ -207,8 +207,8 @@ async def _sharegpt(tokenizer, path: str, n: int, seed: int, max_model_len: int)
     random.Random(seed).shuffle(convs)
     out: list[BenchRequest] = []
     for conv in convs:
-        human = next((t["value"] for t in conv if t.get("from") == "human"), None)
-        gpt = next((t["value"] for t in conv if t.get("from") == "gpt"), None)
+        human = next((t.get("value") for t in conv if t.get("from") == "human"), None)
+        gpt = next((t.get("value") for t in conv if t.get("from") == "gpt"), None)
         if not human or not gpt:
             continue
         prompt = await tokenizer.encode(human, True)
@@ -253,12 +253,24 @@ async def _send(session, base: str, model: str, req: BenchRequest, t0: float) ->
                     rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
     except Exception as e:  # a failed request is a result to report, not a reason to stop the run
-        rec.error = f"{type(e).__name__}: {e}"[:300]
+        why = str(e) or ("no data within --timeout" if isinstance(e, TimeoutError) else "")
+        rec.error = f"{type(e).__name__}: {why}"[:300]
         return rec
     rec.e2el = last - st  # the last token's arrival; the usage chunk and [DONE] are bookkeeping
     if rec.ttft is None or not rec.output_tokens:
         rec.error = "the stream ended without tokens or without a usage chunk"
     return rec
+
+
+def stream_session(headers: dict, timeout_s: float):
+    """The aiohttp session of the timed streams. timeout_s bounds each connect and each wait for data, as
+    httpx.Timeout did, not a whole stream (a late request of a long run streams for minutes); trust_env:
+    proxies from the environment, as httpx; no pool limit (limit=0)."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+    return aiohttp.ClientSession(headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                 read_bufsize=1 << 20, trust_env=True)
 
 
 async def _run(ns, requests: list[BenchRequest], session, base: str, model: str) -> tuple[list, float]:
@@ -362,7 +374,6 @@ async def make_requests(ns, client, base: str | None, kind: str, path: str | Non
 async def _bench(ns, slos: dict[str, float], kind: str, path: str | None, url: str | None = None,
                  requests: list[BenchRequest] | None = None) -> dict:
     """One run against `url` (default --url): `requests`, else a workload from make_requests."""
-    import aiohttp
     import httpx
 
     base = (url or ns.url).rstrip("/").removesuffix("/v1")
@@ -372,10 +383,8 @@ async def _bench(ns, slos: dict[str, float], kind: str, path: str | None, url: s
     # all), which it took from the server under test. No pool limit (limit=0) in either: a request waiting for a
     # free connection would count the wait as TTFT.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    streams = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=ns.timeout),
-                                    connector=aiohttp.TCPConnector(limit=0), read_bufsize=1 << 20)
     async with httpx.AsyncClient(timeout=httpx.Timeout(ns.timeout), limits=limits, headers=headers) as client, \
-            streams:
+            stream_session(headers, ns.timeout) as streams:
         model, max_len = await served_model(client, base, ns.model, 1 << 30)
         if requests is None:
             requests = await make_requests(ns, client, base, kind, path, max_len)

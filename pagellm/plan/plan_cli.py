@@ -87,16 +87,19 @@ def run_plan(ns: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     check_block_size(ns.block_size, "--block-size")  # what the engine takes, so a plan is one it can run
-    if ns.max_model_len is not None and ns.max_model_len > cfg.max_position_embeddings:
-        # the engine uses the model's context then (engine/kv_sizing.fit_max_model_len): plan what it would run
-        print(f"note: --max-model-len {ns.max_model_len} is longer than the model's context "
-              f"({cfg.max_position_embeddings} tokens): planning for {cfg.max_position_embeddings}", file=sys.stderr)
-        ns.max_model_len = cfg.max_position_embeddings
+    context = cfg.max_position_embeddings
+    if ns.max_model_len is not None and ns.max_model_len > context:
+        print(f"note: --max-model-len {ns.max_model_len} is longer than the model's context ({context} tokens): "
+              f"the engine refuses it where the KV cache holds fewer tokens, else runs {context}", file=sys.stderr)
 
     def plan(tp: int, pp: int) -> MemoryPlan:
-        return plan_memory(cfg, ns.model, device, tp, pp, dtype, ns.kv_cache_dtype, ns.quantization,
-                           ns.max_model_len, ns.max_num_seqs, ns.block_size, ns.max_num_batched_tokens,
-                           ns.gpu_memory_utilization, file_bytes)
+        def at(max_len: int | None) -> MemoryPlan:
+            return plan_memory(cfg, ns.model, device, tp, pp, dtype, ns.kv_cache_dtype, ns.quantization, max_len,
+                               ns.max_num_seqs, ns.block_size, ns.max_num_batched_tokens, ns.gpu_memory_utilization,
+                               file_bytes)
+
+        asked = at(ns.max_model_len)  # engine/kv_sizing.fit_max_model_len: the length asked must fit first,
+        return at(context) if asked.fits and asked.max_model_len > context else asked  # then it runs the context
 
     result = plan(ns.tp, ns.pp)
     smallest = None if result.fits else smallest_parallelism(plan)

@@ -93,9 +93,13 @@ class LinearMethod:
         return layer.weight_t.t()
 
     def bf16_matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T on bfloat16 copies with float32 accumulation (oneDNN), float32 out (+ bias); bfloat16 out
+        """x @ W^T on bfloat16 copies with float32 accumulation (oneDNN), widened to float32 (+ bias); bfloat16
         for a layer that feeds another bf16 product (`bf16_out`: the MLP's gate/up), saving two cast passes
-        over its widest activations. x may come in bfloat16 already (the down projection)."""
+        over its widest activations. x may come in bfloat16 already (the down projection). oneDNN rounds the
+        sums to bfloat16 on the way out (torch has no float32 output for a bf16 mm on the CPU), as in a bf16
+        model: logits on this path (more rows than the block kernels take) are bf16 values, so near-equal
+        logits can tie exactly (a probe with PAGELLM_CPU_AMX=0 on the AMX Xeon: 11-15 tied top-5 neighbours in
+        52-64); the AMX and vdpbf16ps products write float32."""
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.choices.bf16_prepacked:
             # The same products bit for bit, without oneDNN reordering the weight at every call: 1.5-1.8x
