@@ -11,11 +11,14 @@ here were made on CPU time:
 the wall clock). --runs N: the workload N times in the same engine. Each run prints its minor page faults
 and the peak RSS so far, after the engine's start-up time (the eighteenth session's page-fault figures:
 '{"dtype": "auto"}' --runs 3, and '{"dtype": "auto", "prefault_kv_cache": true}' against '{"dtype": "auto"}').
+--gc: also the garbage collections during each run, by generation, and their time (the twenty-eighth
+session's count, with benchmarks/serve_workload_offline.py --gc).
 """
 
 from __future__ import annotations
 
 import cProfile
+import gc
 import json
 import pstats
 import resource
@@ -47,7 +50,20 @@ def main(prompt_lens: tuple[int, int] = (32, 512), output_lens: tuple[int, int] 
         pstats.Stats(prof).sort_stats("tottime").print_stats(int(__import__("os").environ.get("PROFILE_TOP", "20")))
         return
     runs = int(sys.argv[sys.argv.index("--runs") + 1]) if "--runs" in sys.argv else 1
+    collections: dict[int, list[float]] = {}  # generation -> [count, seconds]
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            c = collections.setdefault(info["generation"], [0, 0.0])
+            c[0], c[1] = c[0] + 1, c[1] + time.perf_counter() - started[0]
+
+    if "--gc" in sys.argv:
+        gc.callbacks.append(on_gc)
     for _ in range(runs):
+        collections.clear()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t, c = time.perf_counter(), time.process_time()
         out = run()
@@ -56,6 +72,9 @@ def main(prompt_lens: tuple[int, int] = (32, 512), output_lens: tuple[int, int] 
         usage = resource.getrusage(resource.RUSAGE_SELF)  # ru_maxrss: KiB on Linux
         print(f"{options}: {wall:.2f} s wall, {cpu:.2f} s CPU, {n / wall:.1f} output tok/s, "
               f"{usage.ru_minflt - faults} minor faults, peak RSS {usage.ru_maxrss / 2**20:.2f} GiB", flush=True)
+        if "--gc" in sys.argv:
+            print("  gc collections by generation: " + (", ".join(
+                f"{g}: {n} in {s * 1000:.1f} ms" for g, (n, s) in sorted(collections.items())) or "none"), flush=True)
 
 
 if __name__ == "__main__":

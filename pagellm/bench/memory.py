@@ -369,8 +369,7 @@ def _memory(ns: argparse.Namespace) -> int:
     print(format_report(report))
     if ns.json:
         write_json(ns.json, report)
-    if ns.plot:
-        os.makedirs(os.path.dirname(os.path.abspath(ns.plot)), exist_ok=True)
+    if ns.plot:  # its directory made by check_outputs
         plot_report(report, ns.plot)
         print(f"wrote {plot_written(ns.plot)}")
     return 0

@@ -192,11 +192,11 @@ def _sharegpt_conversations(path: str) -> list[list[dict]]:
         raise ValueError(f"{what}: expected a JSON list of {entry} objects")
     convs = []
     for i, item in enumerate(data):
-        conv = item.get("conversations") if isinstance(item, dict) else None
-        if not isinstance(item, dict) or not isinstance(conv or [], list) or not all(
-                isinstance(t, dict) and isinstance(t.get("value", ""), str) for t in conv or []):
+        conv = (item.get("conversations") or []) if isinstance(item, dict) else None
+        if not isinstance(conv, list) or not all(isinstance(t, dict) and isinstance(t.get("value", ""), str)
+                                                 for t in conv):
             raise ValueError(f"{what}: entry {i} is not an object like {entry}")
-        convs.append(conv or [])
+        convs.append(conv)
     return convs
 
 
@@ -220,7 +220,7 @@ async def _sharegpt(tokenizer, path: str, n: int, seed: int, max_model_len: int)
     raise ValueError(f"{path}: only {len(out)} usable conversations, --num-prompts asks for {n}")
 
 
-async def _send(session, base: str, model: str, req: BenchRequest, t0: float) -> RequestRecord:
+async def _send(client, base: str, model: str, req: BenchRequest, t0: float) -> RequestRecord:
     rec = RequestRecord(len(req.prompt_token_ids), req.output_len)
     body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -228,15 +228,15 @@ async def _send(session, base: str, model: str, req: BenchRequest, t0: float) ->
     rec.start = st - t0
     last = st
     try:
-        async with session.post(base + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                rec.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:300]}"
+        async with client.stream("POST", base + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return rec
-            async for line in r.content:  # one SSE line at a time
-                if not line.startswith(b"data:"):
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
-                if data == b"[DONE]":
+                if data == "[DONE]":
                     break
                 chunk = json.loads(data)
                 now = time.perf_counter()
@@ -253,7 +253,7 @@ async def _send(session, base: str, model: str, req: BenchRequest, t0: float) ->
                     rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
     except Exception as e:  # a failed request is a result to report, not a reason to stop the run
-        why = str(e) or ("no data within --timeout" if isinstance(e, TimeoutError) else "")
+        why = str(e) or ("no data within --timeout" if "Timeout" in type(e).__name__ else "")  # httpx's are empty
         rec.error = f"{type(e).__name__}: {why}"[:300]
         return rec
     rec.e2el = last - st  # the last token's arrival; the usage chunk and [DONE] are bookkeeping
@@ -262,27 +262,16 @@ async def _send(session, base: str, model: str, req: BenchRequest, t0: float) ->
     return rec
 
 
-def stream_session(headers: dict, timeout_s: float):
-    """The aiohttp session of the timed streams. timeout_s bounds each connect and each wait for data, as
-    httpx.Timeout did, not a whole stream (a late request of a long run streams for minutes); trust_env:
-    proxies from the environment, as httpx; no pool limit (limit=0)."""
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
-    return aiohttp.ClientSession(headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
-                                 read_bufsize=1 << 20, trust_env=True)
-
-
-async def _run(ns, requests: list[BenchRequest], session, base: str, model: str) -> tuple[list, float]:
+async def _run(ns, requests: list[BenchRequest], client, base: str, model: str) -> tuple[list, float]:
     times = send_times(len(requests), ns.request_rate, ns.burstiness, ns.seed)
     sem = asyncio.Semaphore(ns.max_concurrency) if ns.max_concurrency else None
 
     async def one(req: BenchRequest, at: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         if sem is None:
-            return await _send(session, base, model, req, t0)
+            return await _send(client, base, model, req, t0)
         async with sem:
-            return await _send(session, base, model, req, t0)
+            return await _send(client, base, model, req, t0)
 
     from tqdm import tqdm
 
@@ -378,13 +367,10 @@ async def _bench(ns, slos: dict[str, float], kind: str, path: str | None, url: s
 
     base = (url or ns.url).rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
-    # The timed streams go through aiohttp: the client shares the machine with a local server, and httpx's line
-    # streaming cost ~0.27 ms of CPU per chunk (2.2 of a 10 s run's ~21 CPU-s on a 2-core VM; aiohttp ~0.3 in
-    # all), which it took from the server under test. No pool limit (limit=0) in either: a request waiting for a
-    # free connection would count the wait as TTFT.
+    # No pool limit: a request waiting for a free connection would count the wait as TTFT. --timeout bounds
+    # each connect and each wait for data, not a whole stream (a late request of a long run streams for minutes).
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(ns.timeout), limits=limits, headers=headers) as client, \
-            stream_session(headers, ns.timeout) as streams:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(ns.timeout), limits=limits, headers=headers) as client:
         model, max_len = await served_model(client, base, ns.model, 1 << 30)
         if requests is None:
             requests = await make_requests(ns, client, base, kind, path, max_len)
@@ -393,14 +379,16 @@ async def _bench(ns, slos: dict[str, float], kind: str, path: str | None, url: s
         # One short request first: fails fast on a misconfigured server and warms it up, outside the timing.
         # Its prompt is the first one reversed: the same length, but no prefix a server's cache could reuse.
         warm_prompt = requests[0].prompt_token_ids[::-1]
-        warm = await _send(streams, base, model, BenchRequest(warm_prompt, 1), time.perf_counter())
+        warm = await _send(client, base, model, BenchRequest(warm_prompt, 1), time.perf_counter())
         if not warm.success:
             raise ValueError(f"the warm-up request failed: {warm.error}")
-        records, duration = await _run(ns, requests, streams, base, model)
+        cpu0 = time.process_time()
+        records, duration = await _run(ns, requests, client, base, model)
+        client_cpu = time.process_time() - cpu0  # what the client took from a server on the same machine
     return {"benchmark": "serve", "date": time.strftime("%Y-%m-%d"),
             "command": "pagellm " + " ".join(sys.argv[1:]),
             "client": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "python": platform.python_version()},
+                       "python": platform.python_version(), "cpu_s_during_run": round(client_cpu, 3)},
             "url": base, "model": model, "tokenizer": ns.tokenizer,
             "dataset": {"name": kind, "path": path, "input_len": ns.input_len if kind == "random" else None,
                         "output_len": ns.output_len if kind == "random" else None,
@@ -429,6 +417,7 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
         return run_launched(ns, slos, kind, path)
     report = asyncio.run(_bench(ns, slos, kind, path))
     _print(report["results"])
+    print(f"client CPU during the run: {report['client']['cpu_s_during_run']:.2f} s")
     for err in sorted({r["error"] for r in report["requests"] if r["error"]})[:5]:
         print(f"error: {err}", file=sys.stderr)
     if ns.json:
