@@ -113,6 +113,33 @@ def test_backend_sdpa_mode_matches_float32_sdpa_within_bf16_rounding(nq, seq_len
     assert err.max() > 0  # bf16 really ran
 
 
+@needs_kernel
+@pytest.mark.parametrize("tiles", [False, True])
+def test_a_steps_chunks_in_one_call_get_the_bits_they_get_alone(tiles):
+    """CpuPagedAttention's one call per step: three requests' chunks (a whole prompt, a chunk after a cached
+    prefix, one row) and a decode row between them, over one int8 cache and one block table per request; each
+    chunk's rows are what its own call gives, bit for bit, and the rows of no chunk stay as they were."""
+    g = torch.Generator().manual_seed(3)
+    num_blocks, bs = 64, 16
+    cache = quantize_rows(torch.randn(2, num_blocks, bs, 3, 64, generator=g), torch.int8)
+    tables = torch.zeros(4, 20, dtype=torch.int64)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables[0, :5], tables[2, :16], tables[3, :2] = perm[:5], perm[5:21], perm[21:23]
+    q = torch.randn(1 + 70 + 1 + 200 + 1, 9, 64, generator=g) * 2
+    # (start, new rows, seq_len, table row): request 1 is a decode row left to the caller
+    chunks = [(0, 70, 70, 0), (71, 1, 1, 3), (72, 200, 250, 2)]
+    out = torch.full(q.shape, 7.0)
+    assert ops.prefill_attention_bf16_batch(q, cache, tables, chunks, 0.125, out, tiles=tiles)
+    for start, nq, seq_len, row in chunks:
+        alone = ops.prefill_attention_bf16(q[start:start + nq], cache, tables[row], seq_len, 0.125, tiles=tiles)
+        assert torch.equal(out[start:start + nq], alone)
+    assert (out[70] == 7.0).all() and (out[272] == 7.0).all()
+    untouched = out.clone()
+    assert not ops.prefill_attention_bf16_batch(q, cache.float().to(torch.bfloat16), tables, chunks, 0.125, out)
+    assert not ops.prefill_attention_bf16_batch(q.bfloat16(), cache, tables, chunks, 0.125, out)
+    assert torch.equal(out, untouched)
+
+
 def test_declines_what_it_does_not_take():
     q, cache, table, _ = _paged(20, 20, torch.float16, head_dim=32)
     assert ops.prefill_attention_bf16(q, cache, table, 20, 0.2) is None  # head_dim not a multiple of 64

@@ -76,8 +76,14 @@ SIGNATURES = {
     # q, ldq, nq, H, D, kv, num_blocks, block_size, KV, table, seq_len, scale, out, ldo, threads, kv format, tiles
     "pagellm_prefill_attention_bf16": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _f32, _p, _i64,
                                         _i32, _i32, _i32], _i32),
+    # q, ldq, H, D, kv, num_blocks, block_size, KV, chunks [R, 4], R, tables, table stride, scale, out, ldo, threads,
+    # kv format, tiles
+    "pagellm_prefill_attention_bf16_batch": ([_p, _i64, _i32, _i32, _p, _i64, _i32, _i32, _p, _i32, _p, _i64, _f32,
+                                              _p, _i64, _i32, _i32, _i32], _i32),
     "pagellm_add_rmsnorm": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "pagellm_add_bf16_rmsnorm": ([_p, _p, _p, _p, _i32, _i32, _f32, _i32], None),
+    # x, x is bf16, residual (or NULL), weight, bf16 out, T, C, eps, threads
+    "pagellm_rmsnorm_to_bf16": ([_p, _i32, _p, _p, _p, _i32, _i32, _f32, _i32], None),
     "pagellm_rope": ([_p, _i64, _i32, _i32, _i32, _p, _p, _p, _i32], None),
     "pagellm_rope_bf16": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _i32, _p, _p, _p, _i32], None),
     "pagellm_silu_mul": ([_p, _i32, _i32, _p, _i32], None),

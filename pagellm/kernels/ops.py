@@ -79,6 +79,15 @@ def add_bf16_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return out
 
 
+def rmsnorm_to_bf16(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """add_bf16_rmsnorm (x bfloat16: residual += x) or add_rmsnorm (x float32: x += residual when given) with the
+    output in bfloat16: the bits of their output's .to(torch.bfloat16). x, residual: contiguous [T, C]."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    library().pagellm_rmsnorm_to_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), ptr(residual), weight.data_ptr(),
+                                      out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
 def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
           positions: torch.Tensor) -> None:
     """Rotates the first num_heads heads of each row of x ([T, >= num_heads * head_dim], row-strided) in place."""
@@ -200,3 +209,25 @@ def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, table: torch
         q.data_ptr(), q.stride(0), n, h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv, table.data_ptr(),
         seq_len, scale, out.data_ptr(), h * d, torch.get_num_threads(), kv_format_code(kv_cache.dtype), int(tiles))
     return None if rc else out
+
+
+def prefill_attention_bf16_batch(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                                 chunks: list[tuple[int, int, int, int]], scale: float, out: torch.Tensor,
+                                 tiles: bool = True) -> bool:
+    """prefill_attention_bf16 for several requests' chunks of one step in one call: chunks holds (start, nq,
+    seq_len, table row) per request, its query rows start..start+nq-1 of q ([T, H, D], rows may be strided) over
+    block_tables[table row] ([B, max_blocks] int64); their outputs go to the same rows of out ([T, H, D] float32,
+    contiguous), the other rows left alone. Each request gets the bits it gets alone. False where the kernel does
+    not take this shape or KV dtype (nothing written)."""
+    _, h, d = q.shape
+    _, num_blocks, block_size, num_kv, _ = kv_cache.shape
+    if kv_cache.dtype not in (torch.float32, torch.float16, torch.int8) or q.stride(2) != 1 or q.stride(1) != d \
+            or q.dtype != torch.float32 or out.dtype != torch.float32 or not out.is_contiguous() \
+            or block_tables.dtype != torch.int64 or block_tables.stride(1) != 1:
+        return False
+    spec = torch.tensor(chunks, dtype=torch.int64)
+    rc = library().pagellm_prefill_attention_bf16_batch(
+        q.data_ptr(), q.stride(0), h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv, spec.data_ptr(),
+        len(chunks), block_tables.data_ptr(), block_tables.stride(0), scale, out.data_ptr(), h * d,
+        torch.get_num_threads(), kv_format_code(kv_cache.dtype), int(tiles))
+    return rc == 0

@@ -3,6 +3,7 @@
 // (pagellm/model/layers), operation by operation; only rounding differs (summation order, fused multiply-adds).
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "simd.h"
 
@@ -17,6 +18,18 @@ inline void rmsnorm_row(const float* xt, const float* weight, float* ot, int C, 
     for (int i = 0; i < C; ++i) ot[i] = weight[i] * (xt[i] * r);
 }
 }  // namespace
+
+// bfloat16 <-> float32 as torch converts: widening is exact; narrowing rounds to nearest, ties to even
+// (NaN stays NaN: its payload gets the quiet bit).
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
 
 // x (in place) += residual when residual is given; out = x * rsqrt(mean(x^2) + eps) * weight.
 extern "C" void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, float* out, int T, int C,
@@ -50,6 +63,48 @@ extern "C" void pagellm_add_bf16_rmsnorm(const uint16_t* x, float* residual, con
             rt[i] = v + rt[i];
         }
         rmsnorm_row(rt, weight, out + (int64_t)t * C, C, eps);
+    }
+}
+
+// The two norms above with the output rounded to bfloat16 as torch's .to(torch.bfloat16) rounds (the same
+// rmsnorm_row, then nearest even): the input of a bf16 product (`--dtype auto`, many rows), which would round
+// a float32 input itself, without the float32 tensor and the cast pass between them. x: bfloat16 (x_bf16;
+// residual += x in place, as pagellm_add_bf16_rmsnorm) or float32 (x += residual in place when residual is
+// given, as pagellm_add_rmsnorm; else x is only read).
+extern "C" void pagellm_rmsnorm_to_bf16(const void* x, int x_bf16, float* residual, const float* weight,
+                                        uint16_t* out, int T, int C, float eps, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (T > 1)
+    {
+        std::vector<float> row(C);
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; ++t) {
+            const float* src;
+            if (x_bf16) {
+                const uint16_t* xt = static_cast<const uint16_t*>(x) + (int64_t)t * C;
+                float* rt = residual + (int64_t)t * C;
+#pragma omp simd
+                for (int i = 0; i < C; ++i) rt[i] = bf16_to_f32(xt[i]) + rt[i];
+                src = rt;
+            } else {
+                float* xt = const_cast<float*>(static_cast<const float*>(x)) + (int64_t)t * C;
+                if (residual) {
+                    const float* rt = residual + (int64_t)t * C;
+#pragma omp simd
+                    for (int i = 0; i < C; ++i) xt[i] += rt[i];
+                }
+                src = xt;
+            }
+            rmsnorm_row(src, weight, row.data(), C, eps);
+            uint16_t* ot = out + (int64_t)t * C;
+            int i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+            for (; i + 16 <= C; i += 16) {
+                const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(row.data() + i));
+                _mm256_storeu_si256((__m256i*)(ot + i), reinterpret_cast<const __m256i&>(b));
+            }
+#endif
+            for (; i < C; ++i) ot[i] = f32_to_bf16(row[i]);
+        }
     }
 }
 
@@ -121,18 +176,6 @@ extern "C" void pagellm_silu_mul(const float* gate_up, int T, int I, float* out,
 #endif
         for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
     }
-}
-
-// bfloat16 <-> float32 as torch converts: widening is exact; narrowing rounds to nearest, ties to even
-// (NaN stays NaN: its payload gets the quiet bit).
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
-}
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 // The bfloat16 MLP of `--dtype auto` (many-row steps): out[t, i] = bf16(silu(g) * u) of the bf16 gate/up

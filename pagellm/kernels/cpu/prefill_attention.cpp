@@ -13,8 +13,10 @@
 //      of probabilities times it accumulates 16 output dimensions.
 // The probabilities are rounded to bf16 before P.V (as every bf16 flash attention does); the running max,
 // the sums and the output stay float32. Tolerance against float32 SDPA: tests/test_prefill_attention.py.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kv_format.h"
@@ -239,13 +241,26 @@ void attend_rows(const float* q, int64_t ldq, float* out, int64_t ldo, int head,
 
 namespace {
 
+// One request's chunk in a step's batch: query rows start..start+nq-1 of q and out (its newest positions,
+// seq_len - nq .. seq_len - 1), its block table row `table` of the step's tables.
+struct Chunk {
+    int64_t start, nq, seq_len, table;
+};
+
+// The chunks of a step in one call: each request's K and V packed, then one parallel loop over every (chunk, row
+// block, head), the items that see the most keys first so the threads finish together. An item's arithmetic
+// does not depend on the others: a request gets the same bits alone or among others.
 // tiles: the work items on AMX tiles (16 rows each) where the build and the OS have them.
 template <typename T>
-void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const T* kv, int64_t num_blocks,
-                       int block_size, int KV, const int64_t* table, int64_t seq_len, float scale, float* out,
-                       int64_t ldo, int nthreads, bool tiles) {
+void prefill_attention(const float* q, int64_t ldq, int H, int D, const T* kv, int64_t num_blocks, int block_size,
+                       int KV, const Chunk* chunks, int R, const int64_t* tables, int64_t table_stride, float scale,
+                       float* out, int64_t ldo, int nthreads, bool tiles) {
     const int64_t stride = (int64_t)KV * (D + row_extra<T>()), plane = num_blocks * block_size * stride;
-    const Packed p = pack_kv(kv, plane, stride, block_size, table, seq_len, KV, D, nthreads);
+    std::vector<Packed> packs;
+    packs.reserve(R);
+    for (int r = 0; r < R; ++r)
+        packs.push_back(pack_kv(kv, plane, stride, block_size, tables + chunks[r].table * table_stride,
+                                chunks[r].seq_len, KV, D, nthreads));
 #ifdef PAGELLM_AMX_ATTENTION
     tiles = tiles && pagellm_amx_ready();
     const int rows = tiles ? TILE_ROWS : ROWS;
@@ -253,25 +268,36 @@ void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const 
     tiles = false;
     const int rows = ROWS;
 #endif
-    const int blocks = (nq + rows - 1) / rows, G = H / KV;
-    const int64_t first_pos = seq_len - nq;
+    struct Block {
+        int r, b;
+        int64_t keys;  // the keys its last row sees
+    };
+    std::vector<Block> blocks;
+    for (int r = 0; r < R; ++r)
+        for (int64_t b = 0; b * rows < chunks[r].nq; ++b)
+            blocks.push_back({r, (int)b, chunks[r].seq_len - chunks[r].nq + std::min<int64_t>((b + 1) * rows, chunks[r].nq)});
+    std::stable_sort(blocks.begin(), blocks.end(), [](const Block& x, const Block& y) { return x.keys > y.keys; });
+    const int G = H / KV;
+    const int64_t items = (int64_t)blocks.size() * H;
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef PAGELLM_AMX_ATTENTION
         if (tiles) configure_full_tiles();
 #endif
-        // The last row blocks see the most keys: hand them out first, so the threads finish together.
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < (int64_t)blocks * H; ++item) {
-            const int b = blocks - 1 - (int)(item / H), head = (int)(item % H);
-            const int r0 = b * rows, n = std::min(rows, nq - r0);
+        for (int64_t item = 0; item < items; ++item) {
+            const Block& blk = blocks[item / H];
+            const Chunk& c = chunks[blk.r];
+            const int head = (int)(item % H), r0 = blk.b * rows, n = (int)std::min<int64_t>(rows, c.nq - r0);
+            const float* qc = q + c.start * ldq;
+            float* oc = out + c.start * ldo;
 #ifdef PAGELLM_AMX_ATTENTION
             if (tiles) {
-                attend_rows_amx(q, ldq, out, ldo, head, head / G, D, r0, n, first_pos, p, scale);
+                attend_rows_amx(qc, ldq, oc, ldo, head, head / G, D, r0, n, c.seq_len - c.nq, packs[blk.r], scale);
                 continue;
             }
 #endif
-            attend_rows(q, ldq, out, ldo, head, head / G, D, r0, n, first_pos, p, scale);
+            attend_rows(qc, ldq, oc, ldo, head, head / G, D, r0, n, c.seq_len - c.nq, packs[blk.r], scale);
         }
 #ifdef PAGELLM_AMX_ATTENTION
         if (tiles) _tile_release();
@@ -279,8 +305,46 @@ void prefill_attention(const float* q, int64_t ldq, int nq, int H, int D, const 
     }
 }
 
+template <typename T>
+int run_kv_format(int kv_format, T&& run) {
+    if (kv_format == KV_F32)
+        run(static_cast<const float*>(nullptr));
+    else if (kv_format == KV_F16)
+        run(static_cast<const uint16_t*>(nullptr));
+    else if (kv_format == KV_I8)
+        run(static_cast<const int8_t*>(nullptr));
+    else
+        return -1;
+    return 0;
+}
+
 }  // namespace
 #endif
+
+// The long chunks of a step in one call (CpuPagedAttention): chunks holds R rows of (start, nq, seq_len, table
+// row): request r's query rows start..start+nq-1 of q ([T, H, D], row stride ldq), written to the same rows of
+// out, over its block table tables + table_row * table_stride. The same conditions and return as below.
+extern "C" int pagellm_prefill_attention_bf16_batch(const float* q, int64_t ldq, int H, int D, const void* kv,
+                                                    int64_t num_blocks, int block_size, int KV, const int64_t* chunks,
+                                                    int R, const int64_t* tables, int64_t table_stride, float scale,
+                                                    float* out, int64_t ldo, int nthreads, int kv_format, int tiles) {
+#ifdef PAGELLM_BF16_ATTENTION
+    if (D % 64 || D > 256 || H % KV || R < 1) return -1;
+    const Chunk* c = reinterpret_cast<const Chunk*>(chunks);
+    for (int r = 0; r < R; ++r)
+        if (c[r].nq < 1 || c[r].nq > c[r].seq_len) return -1;
+    return run_kv_format(kv_format, [&](auto type) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+        prefill_attention(q, ldq, H, D, static_cast<const T*>(kv), num_blocks, block_size, KV, c, R, tables,
+                          table_stride, scale, out, ldo, nthreads, tiles);
+    });
+#else
+    (void)q, (void)ldq, (void)H, (void)D, (void)kv, (void)num_blocks, (void)block_size, (void)KV, (void)chunks;
+    (void)R, (void)tables, (void)table_stride, (void)scale, (void)out, (void)ldo, (void)nthreads, (void)kv_format;
+    (void)tiles;
+    return -1;
+#endif
+}
 
 // q: [nq, H, D] float32 (row stride ldq), the request's newest nq positions seq_len - nq .. seq_len - 1;
 // out: [nq, H, D] (row stride ldo). kv: the paged cache [2, num_blocks, block_size, KV, D] (kv_format
@@ -291,23 +355,7 @@ extern "C" int pagellm_prefill_attention_bf16(const float* q, int64_t ldq, int n
                                               int64_t num_blocks, int block_size, int KV, const int64_t* table,
                                               int64_t seq_len, float scale, float* out, int64_t ldo, int nthreads,
                                               int kv_format, int tiles) {
-#ifdef PAGELLM_BF16_ATTENTION
-    if (D % 64 || D > 256 || H % KV || nq < 1 || nq > seq_len) return -1;
-    if (kv_format == KV_F32)
-        prefill_attention(q, ldq, nq, H, D, static_cast<const float*>(kv), num_blocks, block_size, KV, table, seq_len,
-                          scale, out, ldo, nthreads, tiles);
-    else if (kv_format == KV_F16)
-        prefill_attention(q, ldq, nq, H, D, static_cast<const uint16_t*>(kv), num_blocks, block_size, KV, table,
-                          seq_len, scale, out, ldo, nthreads, tiles);
-    else if (kv_format == KV_I8)
-        prefill_attention(q, ldq, nq, H, D, static_cast<const int8_t*>(kv), num_blocks, block_size, KV, table,
-                          seq_len, scale, out, ldo, nthreads, tiles);
-    else
-        return -1;
-    return 0;
-#else
-    (void)q, (void)ldq, (void)nq, (void)H, (void)D, (void)kv, (void)num_blocks, (void)block_size, (void)KV;
-    (void)table, (void)seq_len, (void)scale, (void)out, (void)ldo, (void)nthreads, (void)kv_format, (void)tiles;
-    return -1;
-#endif
+    const int64_t chunk[4] = {0, nq, seq_len, 0};
+    return pagellm_prefill_attention_bf16_batch(q, ldq, H, D, kv, num_blocks, block_size, KV, chunk, 1, table, 0,
+                                                scale, out, ldo, nthreads, kv_format, tiles);
 }

@@ -71,17 +71,15 @@ class CpuPagedAttention(AttentionBackend):
         mode = self.bf16_prefill
         kernel = mode is not None and meta.sliding_window is None  # the kernel has no sliding window
         out = torch.empty_like(q)
-        starts, rest = meta.query_start_loc, []
-        for i in long:
-            o = None
-            # under "sdpa" (AMX) the kernel keeps only requests over few keys: SDPA's gather and casts cost more
-            if kernel and (mode == "kernel" or meta.seq_lens[i] < SDPA_MIN_KEYS):
-                o = ops.prefill_attention_bf16(q[starts[i]:starts[i + 1]], kv_cache, meta.block_tables[i],
-                                               meta.seq_lens[i], scale)
-            if o is None:  # not for the kernel, or a shape / KV dtype / build it does not take
-                rest.append(i)
-            else:
-                out[starts[i]:starts[i + 1]] = o
+        starts = meta.query_start_loc
+        # under "sdpa" (AMX) the kernel keeps only requests over few keys: SDPA's gather and casts cost more
+        take = [i for i in long if kernel and (mode == "kernel" or meta.seq_lens[i] < SDPA_MIN_KEYS)]
+        # all in one call, written in place (a shape, KV dtype or build the kernel does not take: none)
+        chunks = [(starts[i], starts[i + 1] - starts[i], meta.seq_lens[i], i) for i in take]
+        if take and ops.prefill_attention_bf16_batch(q, kv_cache, meta.block_tables, chunks, scale, out):
+            rest = [i for i in long if i not in take]
+        else:
+            rest = long
         if not rest:
             return out
         if mode == "sdpa":  # on bf16 copies of q and of the gathered keys and values

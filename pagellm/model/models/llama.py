@@ -38,12 +38,13 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta, backend: AttentionBackend,
-                keep: torch.Tensor | None = None):
-        """keep: the rows whose output is wanted (None: all); every row's k and v are written either way."""
+                keep: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        """keep: the rows whose output is wanted (None: all); every row's k and v are written either way. dtype:
+        the activations' (x's unless the norm handed a bf16 product bf16 rows)."""
         # The backend rotates q and k, writes k and v into the cache and attends: step by step, or in fewer
         # passes where it has a kernel for them (AttentionBackend.forward_qkv).
-        o = backend.forward_qkv(self.qkv_proj(x), positions, rotary, x.dtype, self.num_heads, self.num_kv_heads,
-                                self.head_dim, kv_cache, meta, self.scale, keep)
+        o = backend.forward_qkv(self.qkv_proj(x), positions, rotary, dtype or x.dtype, self.num_heads,
+                                self.num_kv_heads, self.head_dim, kv_cache, meta, self.scale, keep)
         return self.o_proj(o.reshape(-1, self.q_size)) if o.shape[0] else x[:0]
 
 
@@ -75,16 +76,19 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (the embeddings for layer 0, residual None then); returns this
         layer's output and the residual stream before it, summed by the next norm (one fused op). keep: the
         rows to compute past the KV write (None: all); the outputs then have only those rows."""
+        # where the next product runs in bf16 (--dtype auto, many rows) the norm hands it bf16 rows
+        bf16 = self.self_attn.qkv_proj.bf16_rows(x.shape[0])
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, bf16_out=bf16), x
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend, keep)
+            h, residual = self.input_layernorm(x, residual, bf16_out=bf16)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, backend, keep, residual.dtype)
         if keep is not None:
             residual = residual.index_select(0, keep)
             if not keep.numel():  # no row wanted: the layer was run for its k and v
                 return h, residual
-        h, residual = self.post_attention_layernorm(h, residual)
+        bf16 = self.mlp.gate_up_proj.bf16_rows(h.shape[0])
+        h, residual = self.post_attention_layernorm(h, residual, bf16_out=bf16)
         return self.mlp(h), residual
 
 
