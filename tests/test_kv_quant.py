@@ -74,11 +74,13 @@ def test_native_write_stores_the_same_bytes_as_torch(dtype):
     assert torch.equal(as_bytes(native), as_bytes(torch_written))
 
 
-def _attention_step(dtype, backend, new_rows):
-    """Four requests (three decode rows, one chunk of new_rows) over a history written to a dtype cache."""
+def _attention_step(dtype, backend, new_rows, chunk_at=3):
+    """Four requests (three decode rows, one chunk of new_rows: the chunk_at-th) over a history written to a dtype
+    cache."""
     h, kv, d, bs, nb = 8, 2, 64, 16, 48
     lens = [70, 33, 5, 100]
-    new = [1, 1, 1, new_rows]
+    new = [1, 1, 1, 1]
+    new[chunk_at] = new_rows
     perm = torch.randperm(nb, generator=torch.Generator().manual_seed(3)).tolist()
     tables, i = [], 0
     for n in lens:
@@ -111,20 +113,20 @@ def _attention_step(dtype, backend, new_rows):
 QUANT_TOLERANCE = {torch.int8: 0.05, torch.float8_e4m3fn: 0.25, torch.float8_e5m2: 0.5}
 
 
-@pytest.mark.parametrize("new_rows", [10, 20])  # 20 > 16: cpu_paged hands that request to SDPA
-@pytest.mark.parametrize("dtype", QUANT)
-def test_every_backend_reads_quantized_caches(dtype, new_rows):
+@pytest.mark.parametrize("new_rows,chunk_at", [(10, 3), (20, 3), (20, 1)])  # 20 > 16: cpu_paged hands that
+@pytest.mark.parametrize("dtype", QUANT)  # request to SDPA, the decode rows to the kernel (in one run, or split)
+def test_every_backend_reads_quantized_caches(dtype, new_rows, chunk_at):
     """Each backend vs the float32 cache within QUANT_TOLERANCE; the native kernel and the torch backends
     read the same stored rows and agree within 1e-5 (summation order, and int8's scale applied per key
     in the kernel instead of per element; 1e-3 where int8 keys are scored on VNNI)."""
-    want = _attention_step(torch.float32, TorchSdpaReferenceAttention(), new_rows)
-    ref = _attention_step(dtype, TorchSdpaReferenceAttention(), new_rows)
+    want = _attention_step(torch.float32, TorchSdpaReferenceAttention(), new_rows, chunk_at)
+    ref = _attention_step(dtype, TorchSdpaReferenceAttention(), new_rows, chunk_at)
     assert 0 < (ref - want).abs().max() < QUANT_TOLERANCE[dtype]
-    assert (_attention_step(dtype, TorchSdpaBatchedAttention(), new_rows) - ref).abs().max() < 1e-5
+    assert (_attention_step(dtype, TorchSdpaBatchedAttention(), new_rows, chunk_at) - ref).abs().max() < 1e-5
     if ops.kv_dtype_supported(dtype):
         # int8 keys on VNNI round the query to ~15 bits (attention_int8_vnni.h): 2e-4 here
         tol = 1e-3 if dtype == torch.int8 and ops.int8_keys_on_vnni() else 1e-5
-        assert (_attention_step(dtype, CpuPagedAttention(), new_rows) - ref).abs().max() < tol
+        assert (_attention_step(dtype, CpuPagedAttention(), new_rows, chunk_at) - ref).abs().max() < tol
 
 
 # ---- the engine ----------------------------------------------------------------------------------------

@@ -157,11 +157,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, row_seq: torch.Tensor,
-                    row_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
-    """q: [T, H, D] (rows may be strided); row t attends to keys 0..row_pos[t] of request row_seq[t]."""
+                    row_pos: torch.Tensor, window: int | None, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D] (rows may be strided); row t attends to keys 0..row_pos[t] of request row_seq[t]. out: where
+    to write ([T, H, D] float32, contiguous; a new tensor when None)."""
     t, h, d = q.shape
     _, num_blocks, block_size, num_kv, _ = kv_cache.shape
-    out = torch.empty(t, h, d, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(t, h, d, dtype=torch.float32)
+    elif out.shape != (t, h, d) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"paged_attention: out must be a contiguous float32 [{t}, {h}, {d}]")
     rc = library().pagellm_paged_attention(
         q.data_ptr(), q.stride(0), t, h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv,
         block_tables.data_ptr(), block_tables.stride(0), row_seq.data_ptr(), row_pos.data_ptr(), window or 0,

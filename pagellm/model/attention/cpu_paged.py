@@ -44,7 +44,12 @@ class CpuPagedAttention(AttentionBackend):
                                        meta.sliding_window, scale)
         out = self._long_requests(q, kv_cache, meta, scale, long)
         short = [r for i in range(meta.num_reqs) if i not in long for r in range(starts[i], starts[i + 1])]
-        if short:
+        if short and short[-1] - short[0] == len(short) - 1 and out.dtype == torch.float32 and out.is_contiguous():
+            # one run of rows (the scheduler puts the decodes first): read and written in place
+            a, b = short[0], short[-1] + 1
+            ops.paged_attention(q[a:b], kv_cache, meta.block_tables, meta.row_seq[a:b], meta.positions[a:b],
+                                meta.sliding_window, scale, out=out[a:b])
+        elif short:
             rows = torch.tensor(short)
             o = ops.paged_attention(q.index_select(0, rows), kv_cache, meta.block_tables,
                                     meta.row_seq.index_select(0, rows), meta.positions.index_select(0, rows),
