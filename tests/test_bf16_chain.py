@@ -75,6 +75,13 @@ def test_norm_hands_a_bf16_product_the_bits_it_would_round_to():
         want = ops.add_rmsnorm(x32.clone(), None, w, 1e-5).bfloat16()
         assert torch.equal(ops.rmsnorm_to_bf16(x32, None, w, 1e-5), want)
         assert torch.equal(x32, before)
+    # subnormal outputs stay subnormal (as torch's cast keeps them), in the vector body and the tail
+    x32, w = torch.ones(2, 33), torch.full((33,), 3e-39)
+    want = ops.add_rmsnorm(x32.clone(), None, w, 1e-5).bfloat16()
+    got = ops.rmsnorm_to_bf16(x32, None, w, 1e-5)
+    assert torch.equal(got, want) and (got != 0).all()
+    x32[1, 3] = float("nan")  # a NaN row stays NaN
+    assert ops.rmsnorm_to_bf16(x32, None, w, 1e-5)[1].isnan().all()
     norm = RMSNorm(576, 1e-5)
     norm.weight.data.normal_()
     norm.use("cpu")

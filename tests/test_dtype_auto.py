@@ -178,3 +178,30 @@ def test_dtype_auto_single_stream_stays_close_to_float32(smollm_gguf_path):
     diffs = agreeing_logprob_diffs(*zip(*one_by_one, strict=True), AUTO_WIDE_MARGIN)
     assert len(diffs) >= 80  # of 240 (145 on that Xeon)
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_norms_hand_bf16_products_bf16_rows_without_changing_a_bit(smollm_gguf_path, monkeypatch):
+    """Under auto the norms round their output to bf16 for products that would round it themselves
+    (ops.rmsnorm_to_bf16 in prefill steps): the same prompt logprobs and tokens as with that hint off."""
+    from pagellm import LLM, SamplingParams
+    from pagellm.kernels import ops
+
+    llm = LLM(smollm_gguf_path, dtype="auto", enable_prefix_caching=False)
+    if llm.engine.model.layers[0].self_attn.qkv_proj.weight_bf16 is None:
+        pytest.skip("no bf16 products here (no AVX-512 BF16 or AMX): the norms stay float32")
+    calls, fused = [], ops.rmsnorm_to_bf16
+    monkeypatch.setattr(ops, "rmsnorm_to_bf16", lambda *args: calls.append(1) or fused(*args))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    prompts = [[(37 * i + 11 * j) % 9000 + 5 for j in range(120 + 90 * i)] for i in range(4)]
+
+    def run():
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs)
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    with_hint = run()
+    assert len(calls) >= 2 * len(llm.engine.model.layers)
+    monkeypatch.setattr(Linear, "rounds_input_to_bf16", lambda self, rows: False)
+    calls.clear()
+    without = run()
+    assert not calls and with_hint == without

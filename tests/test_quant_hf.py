@@ -178,6 +178,39 @@ def test_linear_equals_dequantize_then_matmul(checkpoint, name):
             torch.testing.assert_close(layer(x), want, rtol=0, atol=tol)
 
 
+@torch.no_grad()
+def test_under_auto_a_norm_hands_bf16_rows_to_bf16_products_but_not_to_fp8_ones(checkpoint):
+    """--dtype auto: the norms round their output to bf16 only for products that round their input to bf16 first
+    (Linear.rounds_input_to_bf16); a W8A8 FP8 layer scales its input to e4m3 from the float32 row, and a bf16 row
+    (the MLP's activation) reaches that rounding widened to float32, so both give the float32 row's e4m3 values."""
+    import dataclasses
+
+    from pagellm.model.layers.linear import Linear
+    from pagellm.platforms import get_platform
+    from pagellm.quant.linear_method import fp8_activations
+
+    choices = dataclasses.replace(get_platform("cpu").op_choices(torch.float32), bf16_gemm=True)
+    layers = {}
+    for name in ("fp8-tensor", "gptq8-channel-asym-v2"):
+        path, refs = checkpoint(name)
+        weights = _load(path)
+        wname = sorted(refs)[0]
+        w, pw = weights[wname], weights[wname + PACKED_SUFFIX]
+        layer = Linear(w.shape[1], w.shape[0])
+        layer.configure(choices)
+        layer.load_shard(0, w)
+        layer.add_packed_shard(0, pw)
+        layer.process_after_loading()
+        layers[name] = layer
+    fp8, gptq = layers["fp8-tensor"], layers["gptq8-channel-asym-v2"]
+    assert fp8.bf16_rows(64) and not fp8.rounds_input_to_bf16(64)
+    assert gptq.rounds_input_to_bf16(64) and not gptq.rounds_input_to_bf16(1)  # few rows stay float32
+    x = torch.randn(64, fp8.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(fp8(x), fp8(x.float()))  # the e4m3 values of the float32 row either way
+    want = fp8_activations(x.float(), fp8.packed.act_scale) @ fp8.weight_bf16.float().t()
+    torch.testing.assert_close(fp8(x), want, rtol=2e-2, atol=2e-2)
+
+
 def _greedy(llm, prompts, steps=12):
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -235,4 +235,6 @@ def prefill_attention_bf16_batch(q: torch.Tensor, kv_cache: torch.Tensor, block_
         q.data_ptr(), q.stride(0), h, d, kv_cache.data_ptr(), num_blocks, block_size, num_kv, spec.data_ptr(),
         len(chunks), block_tables.data_ptr(), block_tables.stride(0), scale, out.data_ptr(), h * d,
         torch.get_num_threads(), kv_format_code(kv_cache.dtype), int(tiles))
+    if rc == -2:
+        raise MemoryError("prefill attention: no memory for the packed keys and values")
     return rc == 0

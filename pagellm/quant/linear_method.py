@@ -191,8 +191,8 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def apply(self, layer, x):
         packed: PackedWeight = layer.packed
-        if packed.act_fp8:
-            x = fp8_activations(x, packed.act_scale)
+        if packed.act_fp8:  # from float32 (a bf16 x: the MLP's activation under --dtype auto, widened exactly)
+            x = fp8_activations(x.float() if x.dtype == torch.bfloat16 else x, packed.act_scale)
         few = self.few_rows(layer, x.shape[0])
         if not few and self.amx_rows(layer, x.shape[0]):  # as bf16_matmul: bf16 out where it feeds a bf16 op
             y = amx.linear(x, layer.amx_blocks, torch.bfloat16 if self.bf16_output(layer) else torch.float32,

@@ -67,7 +67,7 @@ extern "C" void pagellm_add_bf16_rmsnorm(const uint16_t* x, float* residual, con
 }
 
 // The two norms above with the output rounded to bfloat16 as torch's .to(torch.bfloat16) rounds (the same
-// rmsnorm_row, then nearest even): the input of a bf16 product (`--dtype auto`, many rows), which would round
+// rmsnorm_row, then nearest even, subnormals kept; a NaN stays a NaN): the input of a bf16 product (`--dtype auto`, many rows), which would round
 // a float32 input itself, without the float32 tensor and the cast pass between them. x: bfloat16 (x_bf16;
 // residual += x in place, as pagellm_add_bf16_rmsnorm) or float32 (x += residual in place when residual is
 // given, as pagellm_add_rmsnorm; else x is only read).
@@ -97,10 +97,18 @@ extern "C" void pagellm_rmsnorm_to_bf16(const void* x, int x_bf16, float* residu
             rmsnorm_row(src, weight, row.data(), C, eps);
             uint16_t* ot = out + (int64_t)t * C;
             int i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
+            // f32_to_bf16 16 lanes at a time, on the bits (vcvtneps2bf16 would flush subnormals, torch keeps them)
+            const __m512i round = _mm512_set1_epi32(0x7fff), lsb = _mm512_set1_epi32(1);
+            const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
             for (; i + 16 <= C; i += 16) {
-                const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(row.data() + i));
-                _mm256_storeu_si256((__m256i*)(ot + i), reinterpret_cast<const __m256i&>(b));
+                const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(row.data() + i));
+                const __m512i up = _mm512_srli_epi32(u, 16);
+                const __m512i near = _mm512_srli_epi32(
+                    _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(up, lsb))), 16);
+                const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+                const __m512i b = _mm512_mask_or_epi32(near, nan, up, _mm512_set1_epi32(0x40));
+                _mm256_storeu_si256((__m256i*)(ot + i), _mm512_cvtepi32_epi16(b));
             }
 #endif
             for (; i < C; ++i) ot[i] = f32_to_bf16(row[i]);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -246,15 +247,20 @@ namespace {
 struct Chunk {
     int64_t start, nq, seq_len, table;
 };
+static_assert(sizeof(Chunk) == 4 * sizeof(int64_t), "read from rows of four int64 (ops.prefill_attention_bf16_batch)");
 
-// The chunks of a step in one call: each request's K and V packed, then one parallel loop over every (chunk, row
-// block, head), the items that see the most keys first so the threads finish together. An item's arithmetic
-// does not depend on the others: a request gets the same bits alone or among others.
-// tiles: the work items on AMX tiles (16 rows each) where the build and the OS have them.
+constexpr int64_t PACK_BUDGET = (int64_t)256 << 20;  // bytes of packed keys and values held at once
+
+// The bytes pack_kv holds for a request of seq_len keys.
+inline int64_t pack_bytes(int64_t seq_len, int KV, int D) {
+    return (seq_len + PACK_KEYS - 1) / PACK_KEYS * PACK_KEYS * KV * D * 2 * 2;
+}
+
+// One round of prefill_attention: its chunks packed, then their items in one parallel loop.
 template <typename T>
-void prefill_attention(const float* q, int64_t ldq, int H, int D, const T* kv, int64_t num_blocks, int block_size,
-                       int KV, const Chunk* chunks, int R, const int64_t* tables, int64_t table_stride, float scale,
-                       float* out, int64_t ldo, int nthreads, bool tiles) {
+void attend_chunks(const float* q, int64_t ldq, int H, int D, const T* kv, int64_t num_blocks, int block_size,
+                   int KV, const Chunk* chunks, int R, const int64_t* tables, int64_t table_stride, float scale,
+                   float* out, int64_t ldo, int nthreads, bool tiles) {
     const int64_t stride = (int64_t)KV * (D + row_extra<T>()), plane = num_blocks * block_size * stride;
     std::vector<Packed> packs;
     packs.reserve(R);
@@ -275,7 +281,8 @@ void prefill_attention(const float* q, int64_t ldq, int H, int D, const T* kv, i
     std::vector<Block> blocks;
     for (int r = 0; r < R; ++r)
         for (int64_t b = 0; b * rows < chunks[r].nq; ++b)
-            blocks.push_back({r, (int)b, chunks[r].seq_len - chunks[r].nq + std::min<int64_t>((b + 1) * rows, chunks[r].nq)});
+            blocks.push_back({r, (int)b,
+                              chunks[r].seq_len - chunks[r].nq + std::min<int64_t>((b + 1) * rows, chunks[r].nq)});
     std::stable_sort(blocks.begin(), blocks.end(), [](const Block& x, const Block& y) { return x.keys > y.keys; });
     const int G = H / KV;
     const int64_t items = (int64_t)blocks.size() * H;
@@ -305,6 +312,28 @@ void prefill_attention(const float* q, int64_t ldq, int H, int D, const T* kv, i
     }
 }
 
+// The chunks of a step in one call: each request's K and V packed, then one parallel loop over every (chunk, row
+// block, head), the items that see the most keys first so the threads finish together. An item's arithmetic
+// does not depend on the others: a request gets the same bits alone or among others.
+// tiles: the work items on AMX tiles (16 rows each) where the build and the OS have them.
+template <typename T>
+void prefill_attention(const float* q, int64_t ldq, int H, int D, const T* kv, int64_t num_blocks, int block_size,
+                       int KV, const Chunk* chunks, int R, const int64_t* tables, int64_t table_stride, float scale,
+                       float* out, int64_t ldo, int nthreads, bool tiles) {
+    // Chunks whose packed keys and values together pass PACK_BUDGET bytes go in several rounds (chunks after a
+    // long cached prefix each pack the whole prefix)
+    int done = 0;
+    while (done < R) {
+        int end = done + 1;
+        int64_t bytes = pack_bytes(chunks[done].seq_len, KV, D);
+        while (end < R && bytes + pack_bytes(chunks[end].seq_len, KV, D) <= PACK_BUDGET)
+            bytes += pack_bytes(chunks[end++].seq_len, KV, D);
+        attend_chunks(q, ldq, H, D, kv, num_blocks, block_size, KV, chunks + done, end - done, tables, table_stride,
+                      scale, out, ldo, nthreads, tiles);
+        done = end;
+    }
+}
+
 template <typename T>
 int run_kv_format(int kv_format, T&& run) {
     if (kv_format == KV_F32)
@@ -323,7 +352,8 @@ int run_kv_format(int kv_format, T&& run) {
 
 // The long chunks of a step in one call (CpuPagedAttention): chunks holds R rows of (start, nq, seq_len, table
 // row): request r's query rows start..start+nq-1 of q ([T, H, D], row stride ldq), written to the same rows of
-// out, over its block table tables + table_row * table_stride. The same conditions and return as below.
+// out, over its block table tables + table_row * table_stride. The same conditions and return as below, and -2
+// where the packed copies could not be allocated.
 extern "C" int pagellm_prefill_attention_bf16_batch(const float* q, int64_t ldq, int H, int D, const void* kv,
                                                     int64_t num_blocks, int block_size, int KV, const int64_t* chunks,
                                                     int R, const int64_t* tables, int64_t table_stride, float scale,
@@ -333,11 +363,15 @@ extern "C" int pagellm_prefill_attention_bf16_batch(const float* q, int64_t ldq,
     const Chunk* c = reinterpret_cast<const Chunk*>(chunks);
     for (int r = 0; r < R; ++r)
         if (c[r].nq < 1 || c[r].nq > c[r].seq_len) return -1;
-    return run_kv_format(kv_format, [&](auto type) {
-        using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
-        prefill_attention(q, ldq, H, D, static_cast<const T*>(kv), num_blocks, block_size, KV, c, R, tables,
-                          table_stride, scale, out, ldo, nthreads, tiles);
-    });
+    try {
+        return run_kv_format(kv_format, [&](auto type) {
+            using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+            prefill_attention(q, ldq, H, D, static_cast<const T*>(kv), num_blocks, block_size, KV, c, R, tables,
+                              table_stride, scale, out, ldo, nthreads, tiles);
+        });
+    } catch (const std::bad_alloc&) {  // the packed copies: not an abort across the C boundary
+        return -2;
+    }
 #else
     (void)q, (void)ldq, (void)H, (void)D, (void)kv, (void)num_blocks, (void)block_size, (void)KV, (void)chunks;
     (void)R, (void)tables, (void)table_stride, (void)scale, (void)out, (void)ldo, (void)nthreads, (void)kv_format;

@@ -79,6 +79,12 @@ class Linear(nn.Module):
     def bf16_rows(self, rows: int) -> bool:
         return self.quant_method.bf16_rows(self, rows)
 
+    def rounds_input_to_bf16(self, rows: int) -> bool:
+        """Whether a product of this many rows rounds its input to bfloat16 before anything else, so that an input
+        rounded already gives it the same bits (a norm may then hand it bf16 rows). Not W8A8 FP8 layers: they
+        round their input to e4m3 by a scale taken from the float32 row."""
+        return self.bf16_rows(rows) and not (self.packed is not None and self.packed.act_fp8)
+
     @property
     def int8_activations(self) -> int:
         return self.quant_method.int8_activations

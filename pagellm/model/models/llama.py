@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
         layer's output and the residual stream before it, summed by the next norm (one fused op). keep: the
         rows to compute past the KV write (None: all); the outputs then have only those rows."""
         # where the next product runs in bf16 (--dtype auto, many rows) the norm hands it bf16 rows
-        bf16 = self.self_attn.qkv_proj.bf16_rows(x.shape[0])
+        bf16 = self.self_attn.qkv_proj.rounds_input_to_bf16(x.shape[0])
         if residual is None:
             h, residual = self.input_layernorm(x, bf16_out=bf16), x
         else:
@@ -87,7 +87,7 @@ class DecoderLayer(nn.Module):
             residual = residual.index_select(0, keep)
             if not keep.numel():  # no row wanted: the layer was run for its k and v
                 return h, residual
-        bf16 = self.mlp.gate_up_proj.bf16_rows(h.shape[0])
+        bf16 = self.mlp.gate_up_proj.rounds_input_to_bf16(h.shape[0])
         h, residual = self.post_attention_layernorm(h, residual, bf16_out=bf16)
         return self.mlp(h), residual
 
