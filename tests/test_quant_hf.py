@@ -145,13 +145,24 @@ def test_act_order_blocks_carry_the_sorting_permutation(checkpoint):
     assert (g_idx.long()[pw.perm].reshape(-1, 32).diff(dim=1) == 0).all()
 
 
+def _packed_linear(w, pw, choices):
+    """A Linear loaded as the loader loads one: the float weight, then its blocks."""
+    from pagellm.model.layers.linear import Linear
+
+    layer = Linear(w.shape[1], w.shape[0])
+    layer.configure(choices)
+    layer.load_shard(0, w)
+    layer.add_packed_shard(0, pw)
+    layer.process_after_loading()
+    return layer
+
+
 @pytest.mark.parametrize("name", ["gptq4-g32-asym-v1-act-order-odd", "gptq8-channel-asym-v2", "awq-g32",
                                   "fp8-block-partial-odd", "ct-w4a16-group-asym-odd", "ct-w8a8-int-channel-sym"])
 @torch.no_grad()
 def test_linear_equals_dequantize_then_matmul(checkpoint, name):
     """A Linear fed a module's float + blocks computes x @ W^T of the dequantized W within float32
     rounding (1e-4 relative to |x| |W|), for few-row (kernel) and many-row steps."""
-    from pagellm.model.layers.linear import Linear
     from pagellm.platforms import get_platform
 
     path, refs = checkpoint(name)
@@ -160,11 +171,7 @@ def test_linear_equals_dequantize_then_matmul(checkpoint, name):
     gen = torch.Generator().manual_seed(3)
     for wname in sorted(refs)[:7]:
         w, pw = weights[wname], weights[wname + PACKED_SUFFIX]
-        layer = Linear(w.shape[1], w.shape[0])
-        layer.configure(choices)
-        layer.load_shard(0, w)
-        layer.add_packed_shard(0, pw)
-        layer.process_after_loading()
+        layer = _packed_linear(w, pw, choices)
         assert layer.packed is not None and layer.quant_method.name == "gguf_blocks"
         for rows in (1, 3, 20, 37):
             x = torch.randn(rows, w.shape[1], generator=gen)
@@ -185,7 +192,6 @@ def test_under_auto_a_norm_hands_bf16_rows_to_bf16_products_but_not_to_fp8_ones(
     (the MLP's activation) reaches that rounding widened to float32, so both give the float32 row's e4m3 values."""
     import dataclasses
 
-    from pagellm.model.layers.linear import Linear
     from pagellm.platforms import get_platform
     from pagellm.quant.linear_method import fp8_activations
 
@@ -195,13 +201,7 @@ def test_under_auto_a_norm_hands_bf16_rows_to_bf16_products_but_not_to_fp8_ones(
         path, refs = checkpoint(name)
         weights = _load(path)
         wname = sorted(refs)[0]
-        w, pw = weights[wname], weights[wname + PACKED_SUFFIX]
-        layer = Linear(w.shape[1], w.shape[0])
-        layer.configure(choices)
-        layer.load_shard(0, w)
-        layer.add_packed_shard(0, pw)
-        layer.process_after_loading()
-        layers[name] = layer
+        layers[name] = _packed_linear(weights[wname], weights[wname + PACKED_SUFFIX], choices)
     fp8, gptq = layers["fp8-tensor"], layers["gptq8-channel-asym-v2"]
     assert fp8.bf16_rows(64) and not fp8.rounds_input_to_bf16(64)
     assert gptq.rounds_input_to_bf16(64) and not gptq.rounds_input_to_bf16(1)  # few rows stay float32
