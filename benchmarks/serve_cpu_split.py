@@ -34,29 +34,42 @@ def children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
-def main() -> None:
-    extra = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
+def start_server(extra: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`pagellm serve --dtype auto --no-enable-prefix-caching` (plus extra options) on a free local port, once its
+    /health answers: the process and its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([PY, "-m", "pagellm.cli", "serve", "--dtype", "auto", "--no-enable-prefix-caching",
-                               "--port", str(port), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               "--port", str(port), *extra], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    for _ in range(240):
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
+                return server, url
+        except OSError:
+            time.sleep(0.5)
+    server.terminate()
+    raise SystemExit("the server did not become ready in 120 s")
+
+
+def run_workload(url: str, bench_args: tuple[str, ...] | list[str] = ()) -> str:
+    """`pagellm bench serve --url` with the serving workload (64 requests at once, prompts 128-384, outputs
+    64-192): its printed report."""
+    return subprocess.run([PY, "-m", "pagellm.cli", "bench", "serve", "--url", url, "--num-prompts", "64",
+                           "--input-len", "256", "--output-len", "128", "--range-ratio", "0.5", *bench_args],
+                          capture_output=True, text=True, timeout=600).stdout
+
+
+def main() -> None:
+    extra = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
+    server, url = start_server(extra)
     try:
-        for _ in range(240):
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            raise SystemExit("the server did not become ready in 120 s")
         procs = {"API process": server.pid, "engine core": children(server.pid)[0]}
         before = {name: cpu_s(pid) for name, pid in procs.items()}
         client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        out = subprocess.run([PY, "-m", "pagellm.cli", "bench", "serve", "--url", url, "--num-prompts", "64",
-                              "--input-len", "256", "--output-len", "128", "--range-ratio", "0.5"],
-                             capture_output=True, text=True, timeout=600).stdout
+        out = run_workload(url)
         client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         used = {name: cpu_s(pid) - before[name] for name, pid in procs.items()}
         steps = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()

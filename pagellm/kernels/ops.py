@@ -82,6 +82,8 @@ def add_bf16_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 def rmsnorm_to_bf16(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """add_bf16_rmsnorm (x bfloat16: residual += x) or add_rmsnorm (x float32: x += residual when given) with the
     output in bfloat16: the bits of their output's .to(torch.bfloat16). x, residual: contiguous [T, C]."""
+    if x.dtype == torch.bfloat16 and residual is None:
+        raise ValueError("rmsnorm_to_bf16: a bfloat16 x is summed into a float32 residual, and none was given")
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     library().pagellm_rmsnorm_to_bf16(x.data_ptr(), int(x.dtype == torch.bfloat16), ptr(residual), weight.data_ptr(),
                                       out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())

@@ -7,18 +7,6 @@
 
 #include "simd.h"
 
-namespace {
-// out = x * rsqrt(mean(x^2) + eps) * weight for one row of C floats.
-inline void rmsnorm_row(const float* xt, const float* weight, float* ot, int C, float eps) {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int i = 0; i < C; ++i) ss += xt[i] * xt[i];
-    const float r = 1.f / std::sqrt(ss / C + eps);
-#pragma omp simd
-    for (int i = 0; i < C; ++i) ot[i] = weight[i] * (xt[i] * r);
-}
-}  // namespace
-
 // bfloat16 <-> float32 as torch converts: widening is exact; narrowing rounds to nearest, ties to even
 // (NaN stays NaN: its payload gets the quiet bit).
 static inline float bf16_to_f32(uint16_t h) {
@@ -31,46 +19,77 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+namespace {
+// out = x * rsqrt(mean(x^2) + eps) * weight for one row of C floats.
+inline void rmsnorm_row(const float* xt, const float* weight, float* ot, int C, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < C; ++i) ss += xt[i] * xt[i];
+    const float r = 1.f / std::sqrt(ss / C + eps);
+#pragma omp simd
+    for (int i = 0; i < C; ++i) ot[i] = weight[i] * (xt[i] * r);
+}
+
+// Row t of what the norms read, the residual added in place: a float32 x gets x += residual (x alone without
+// one); a bfloat16 x (a bf16 product's output, read as the float32 it stands for: exact) is summed into the
+// residual instead, which the caller passes.
+inline float* summed_row(const void* x, bool x_bf16, float* residual, int t, int C) {
+    float* rt = residual ? residual + (int64_t)t * C : nullptr;
+    if (x_bf16) {
+        const uint16_t* xt = static_cast<const uint16_t*>(x) + (int64_t)t * C;
+#pragma omp simd
+        for (int i = 0; i < C; ++i) rt[i] = bf16_to_f32(xt[i]) + rt[i];
+        return rt;
+    }
+    float* xt = const_cast<float*>(static_cast<const float*>(x)) + (int64_t)t * C;
+    if (rt) {
+#pragma omp simd
+        for (int i = 0; i < C; ++i) xt[i] += rt[i];
+    }
+    return xt;
+}
+
+// C floats to bfloat16 as f32_to_bf16 rounds them (16 lanes at a time on AVX-512, on the bits: vcvtneps2bf16
+// would flush subnormals, which torch's cast keeps).
+inline void store_bf16_row(const float* row, uint16_t* ot, int C) {
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512i round = _mm512_set1_epi32(0x7fff), lsb = _mm512_set1_epi32(1);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    for (; i + 16 <= C; i += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(row + i));
+        const __m512i up = _mm512_srli_epi32(u, 16);
+        const __m512i near = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(up, lsb))),
+                                               16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+        const __m512i b = _mm512_mask_or_epi32(near, nan, up, _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256((__m256i*)(ot + i), _mm512_cvtepi32_epi16(b));
+    }
+#endif
+    for (; i < C; ++i) ot[i] = f32_to_bf16(row[i]);
+}
+}  // namespace
+
 // x (in place) += residual when residual is given; out = x * rsqrt(mean(x^2) + eps) * weight.
 extern "C" void pagellm_add_rmsnorm(float* x, const float* residual, const float* weight, float* out, int T, int C,
                                     float eps, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 1)
-    for (int t = 0; t < T; ++t) {
-        float* xt = x + (int64_t)t * C;
-        if (residual) {
-            const float* rt = residual + (int64_t)t * C;
-#pragma omp simd
-            for (int i = 0; i < C; ++i) xt[i] += rt[i];
-        }
-        rmsnorm_row(xt, weight, out + (int64_t)t * C, C, eps);
-    }
+    for (int t = 0; t < T; ++t)
+        rmsnorm_row(summed_row(x, false, const_cast<float*>(residual), t, C), weight, out + (int64_t)t * C, C, eps);
 }
 
-// The same for a bfloat16 x (a bf16 product's output, read as the float32 it stands for: exact), summed
-// into residual (in place) instead: residual += x; out = rmsnorm(residual) * weight. The same bits as
-// casting x to float32 and calling pagellm_add_rmsnorm, without the cast's pass and its tensor.
+// The same for a bfloat16 x, summed into residual (in place) instead: residual += x; out = rmsnorm(residual) *
+// weight. The same bits as casting x to float32 and calling pagellm_add_rmsnorm, without the cast's pass and its
+// tensor.
 extern "C" void pagellm_add_bf16_rmsnorm(const uint16_t* x, float* residual, const float* weight, float* out, int T,
                                          int C, float eps, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 1)
-    for (int t = 0; t < T; ++t) {
-        const uint16_t* xt = x + (int64_t)t * C;
-        float* rt = residual + (int64_t)t * C;
-#pragma omp simd
-        for (int i = 0; i < C; ++i) {
-            uint32_t bits = (uint32_t)xt[i] << 16;
-            float v;
-            __builtin_memcpy(&v, &bits, 4);
-            rt[i] = v + rt[i];
-        }
-        rmsnorm_row(rt, weight, out + (int64_t)t * C, C, eps);
-    }
+    for (int t = 0; t < T; ++t) rmsnorm_row(summed_row(x, true, residual, t, C), weight, out + (int64_t)t * C, C, eps);
 }
 
-// The two norms above with the output rounded to bfloat16 as torch's .to(torch.bfloat16) rounds (the same
-// rmsnorm_row, then nearest even, subnormals kept; a NaN stays a NaN): the input of a bf16 product (`--dtype auto`, many rows), which would round
-// a float32 input itself, without the float32 tensor and the cast pass between them. x: bfloat16 (x_bf16;
-// residual += x in place, as pagellm_add_bf16_rmsnorm) or float32 (x += residual in place when residual is
-// given, as pagellm_add_rmsnorm; else x is only read).
+// Either norm above with its output rounded to bfloat16 as torch's .to(torch.bfloat16) rounds (subnormals kept,
+// a NaN stays a NaN): the input of a bf16 product (`--dtype auto`, many rows), which would round a float32 input
+// itself, without the float32 tensor and the cast pass between them. x: bfloat16 (x_bf16) or float32.
 extern "C" void pagellm_rmsnorm_to_bf16(const void* x, int x_bf16, float* residual, const float* weight,
                                         uint16_t* out, int T, int C, float eps, int nthreads) {
 #pragma omp parallel num_threads(nthreads) if (T > 1)
@@ -78,40 +97,8 @@ extern "C" void pagellm_rmsnorm_to_bf16(const void* x, int x_bf16, float* residu
         std::vector<float> row(C);
 #pragma omp for schedule(static)
         for (int t = 0; t < T; ++t) {
-            const float* src;
-            if (x_bf16) {
-                const uint16_t* xt = static_cast<const uint16_t*>(x) + (int64_t)t * C;
-                float* rt = residual + (int64_t)t * C;
-#pragma omp simd
-                for (int i = 0; i < C; ++i) rt[i] = bf16_to_f32(xt[i]) + rt[i];
-                src = rt;
-            } else {
-                float* xt = const_cast<float*>(static_cast<const float*>(x)) + (int64_t)t * C;
-                if (residual) {
-                    const float* rt = residual + (int64_t)t * C;
-#pragma omp simd
-                    for (int i = 0; i < C; ++i) xt[i] += rt[i];
-                }
-                src = xt;
-            }
-            rmsnorm_row(src, weight, row.data(), C, eps);
-            uint16_t* ot = out + (int64_t)t * C;
-            int i = 0;
-#if defined(__AVX512F__)
-            // f32_to_bf16 16 lanes at a time, on the bits (vcvtneps2bf16 would flush subnormals, torch keeps them)
-            const __m512i round = _mm512_set1_epi32(0x7fff), lsb = _mm512_set1_epi32(1);
-            const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-            for (; i + 16 <= C; i += 16) {
-                const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(row.data() + i));
-                const __m512i up = _mm512_srli_epi32(u, 16);
-                const __m512i near = _mm512_srli_epi32(
-                    _mm512_add_epi32(u, _mm512_add_epi32(round, _mm512_and_si512(up, lsb))), 16);
-                const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
-                const __m512i b = _mm512_mask_or_epi32(near, nan, up, _mm512_set1_epi32(0x40));
-                _mm256_storeu_si256((__m256i*)(ot + i), _mm512_cvtepi32_epi16(b));
-            }
-#endif
-            for (; i < C; ++i) ot[i] = f32_to_bf16(row[i]);
+            rmsnorm_row(summed_row(x, x_bf16, residual, t, C), weight, row.data(), C, eps);
+            store_bf16_row(row.data(), out + (int64_t)t * C, C);
         }
     }
 }
