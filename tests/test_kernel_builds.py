@@ -136,3 +136,36 @@ def test_engine_runs_without_a_compiler(tiny_gguf_model, smollm_gguf_path):
     assert not without_compiler["kernels"]
     assert [len(ids) for ids in without_compiler["ids"]] == [8, 8]
     assert without_compiler["ids"] == switched_off["ids"]
+
+
+CAPPED = """
+import json, os, sys, torch
+from pagellm import LLM, SamplingParams
+from pagellm.platforms import get_platform
+p = get_platform("cpu")
+choices = p.op_choices(torch.float32, auto=True)
+llm = LLM(sys.argv[1], tokenizer=sys.argv[2], kv_cache_memory="8MiB", dtype="auto")
+out = llm.generate([[5, 9, 33, 7, 100]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+print(json.dumps({"isa": p.isa, "describe": p.describe(), "bf16_gemm": choices.bf16_gemm,
+                  "onednn": os.environ.get("ONEDNN_MAX_CPU_ISA"), "aten": torch.backends.cpu.get_cpu_capability(),
+                  "tokens": len(out[0].outputs[0].token_ids)}))
+"""
+
+
+@needs_compiler
+def test_isa_cap_makes_this_cpu_an_avx2_one(tiny_gguf_model, smollm_gguf_path, tmp_path):
+    """PAGELLM_CPU_ISA=avx2: the platform sees AVX2 + FMA + F16C only, builds the kernels for haswell, decides as
+    on an AVX2-only CPU (float32 under auto: no bf16 GEMMs) and caps torch's oneDNN and ATen kernels to match."""
+    if not _host_has("avx2"):
+        pytest.skip("the host cannot run AVX2 code")
+    env = _env(PAGELLM_CPU_ISA="avx2", PAGELLM_CACHE_DIR=str(tmp_path))
+    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
+        env.pop(name, None)
+    path = tiny_gguf_model("llama", qtype="Q8_0")
+    got = json.loads(_python(CAPPED, env, path, smollm_gguf_path).stdout.strip().splitlines()[-1])
+    assert set(got["isa"]) <= {"avx2", "fma", "f16c"} and "avx2" in got["isa"]
+    assert got["describe"]["isa"].endswith("(capped by PAGELLM_CPU_ISA=avx2)")
+    assert got["describe"]["kernels"].startswith("built for -march=haswell")
+    assert not got["bf16_gemm"] and got["describe"]["dtype"] == "auto -> float32"
+    assert (got["onednn"], got["aten"]) == ("AVX2", "AVX2")
+    assert got["tokens"] == 8

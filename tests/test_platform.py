@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -128,3 +130,19 @@ def test_memory_a_step_freed_is_not_faulted_in_again():
 
     assert faults("old") >= 4000  # the control: the check can fail
     assert faults("loading") < 256
+
+
+def test_isa_cap_only_lowers_what_the_cpu_has(monkeypatch):
+    from pagellm.platforms.cpu import _capped_flags
+
+    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "OPENBLAS_CORETYPE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # the user's own cap stays
+    zen4 = {"sse4_2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+    assert _capped_flags("avx512", zen4) == {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI" and os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
+    with pytest.raises(ValueError, match="PAGELLM_CPU_ISA=avx512_bf16 needs avx512_bf16, which this CPU lacks"):
+        _capped_flags("avx512_bf16", zen4 - {"avx512_bf16"})
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "avx3")
+    with pytest.raises(ValueError, match="PAGELLM_CPU_ISA must be"):
+        CpuPlatform()

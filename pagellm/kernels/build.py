@@ -3,11 +3,12 @@
 Why ctypes and not a torch C++ extension: these kernels take raw pointers and need no torch headers,
 so a build takes about two seconds instead of a minute, and a call costs a few microseconds.
 
-The library is built for -march=$PAGELLM_CPU_ARCH (default "native": the CPU it runs on; "x86-64" gives
-the portable build, no AVX). It is cached under $PAGELLM_CACHE_DIR (default ~/.cache/pagellm), keyed by
-what the compiler targets for that -march (every macro it predefines, which names each ISA extension
-it may emit), the compiler's version, the flags and the sources. $CXX, when set, is the compiler, and
-only it: if it cannot be run there are no kernels (the plain torch path), never a different compiler.
+The library is built for -march=$PAGELLM_CPU_ARCH (default "native": the CPU it runs on, or the level that
+$PAGELLM_CPU_ISA caps it at; "x86-64" gives the portable build, no AVX). It is cached under $PAGELLM_CACHE_DIR
+(default ~/.cache/pagellm), keyed by what the compiler targets for that -march (every macro it predefines,
+which names each ISA extension it may emit), the compiler's version, the flags and the sources. $CXX, when
+set, is the compiler, and only it: if it cannot be run there are no kernels (the plain torch path), never a
+different compiler.
 """
 
 from __future__ import annotations
@@ -157,6 +158,25 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+# PAGELLM_CPU_ISA caps what pagellm uses at an older x86-64 level than the CPU has, so that one machine can
+# stand in for another (an AVX2-only laptop, an AVX-512 server without BF16): the platform sees only the level's
+# flags, the kernels build for its -march, and torch's oneDNN, MKL and ATen kernels are capped to match
+# (platforms/cpu.py). Each level: (-march, the /proc/cpuinfo flags it keeps, ONEDNN_MAX_CPU_ISA,
+# MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY). "native" (the default) caps nothing.
+ISA_LEVELS = {
+    "avx2": ("haswell", ("avx2", "fma", "f16c"), "AVX2", "AVX2", "avx2"),
+    "avx512": ("cascadelake", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"),
+               "AVX512_CORE_VNNI", "AVX512", "avx512"),
+    "avx512_bf16": ("cooperlake", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"),
+                    "AVX512_CORE_BF16", "AVX512", "avx512"),
+}
+
+
+def isa_level() -> str:
+    """The PAGELLM_CPU_ISA level ("native": no cap)."""
+    return env_choice("PAGELLM_CPU_ISA", ("native", *ISA_LEVELS))
+
+
 def _load_enabled() -> tuple[ctypes.CDLL, dict] | None:
     # The switch is read on every call, outside the cache: turning the kernels off for one engine (a test,
     # a comparison run) must not leave them off, or missing, for the rest of the process.
@@ -168,7 +188,8 @@ def _load() -> tuple[ctypes.CDLL, dict] | None:
     cxx = _compiler()
     if cxx is None:
         return None
-    march = os.environ.get("PAGELLM_CPU_ARCH") or "native"
+    level = isa_level()
+    march = os.environ.get("PAGELLM_CPU_ARCH") or (ISA_LEVELS[level][0] if level != "native" else "native")
     try:
         path, isa = _build(cxx, march)
         lib = ctypes.CDLL(str(path))

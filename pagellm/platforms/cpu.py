@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import logging
 import math
 import mmap
 import os
@@ -20,8 +21,10 @@ from collections.abc import Iterator
 
 import torch
 
-from pagellm.kernels.build import env_choice
+from pagellm.kernels.build import ISA_LEVELS, env_choice, isa_level
 from pagellm.platforms.base import OpChoices, Platform
+
+log = logging.getLogger(__name__)
 
 # The /proc/cpuinfo flags the platform reports, in the order `pagellm info` lists them.
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
@@ -76,6 +79,25 @@ PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto,
 # --kv-cache-dtype names and their cache element types, for `pagellm info`.
 _KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
                     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _capped_flags(level: str, flags: set[str]) -> set[str]:
+    """The CPU's flags cut to a PAGELLM_CPU_ISA level's (kernels/build.py ISA_LEVELS), with torch's own ISA
+    choices capped to match where the environment does not set them already (oneDNN, MKL and ATen read these
+    at their first use, after import). numpy's OpenBLAS picked its kernels when it loaded: that one only
+    OPENBLAS_CORETYPE, set before the process starts, caps."""
+    _march, kept, onednn, mkl, aten = ISA_LEVELS[level]
+    missing = [flag for flag in kept if flag not in flags]
+    if missing:
+        raise ValueError(f"PAGELLM_CPU_ISA={level} needs {' '.join(missing)}, which this CPU lacks: it can only "
+                         "cap the ISA below what the CPU has")
+    for name, value in (("ONEDNN_MAX_CPU_ISA", onednn), ("MKL_ENABLE_INSTRUCTIONS", mkl),
+                        ("ATEN_CPU_CAPABILITY", aten)):
+        os.environ.setdefault(name, value)
+    if level == "avx2" and not os.environ.get("OPENBLAS_CORETYPE"):
+        log.warning("PAGELLM_CPU_ISA=avx2 without OPENBLAS_CORETYPE=Haswell: numpy's OpenBLAS keeps the kernels it "
+                    "chose for this CPU")
+    return flags & set(kept)
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
@@ -182,6 +204,9 @@ class CpuPlatform(Platform):
 
     def __init__(self):
         self.cpu_model, flags = _cpuinfo()
+        self.isa_level = isa_level()  # PAGELLM_CPU_ISA: the platform may use less than the CPU has
+        if self.isa_level != "native":
+            flags = _capped_flags(self.isa_level, flags)
         self.isa = [flag for flag in ISA_FLAGS if flag in flags]
         self.num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
@@ -380,7 +405,8 @@ class CpuPlatform(Platform):
         return {
             "device": "cpu",
             "cpu": f"{self.cpu_model}, {self.num_cores} cores",
-            "isa": " ".join(self.isa) or "baseline x86-64",
+            "isa": (" ".join(self.isa) or "baseline x86-64") + (
+                f" (capped by PAGELLM_CPU_ISA={self.isa_level})" if self.isa_level != "native" else ""),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "kernels": ("off" if build is None else
                         f"built for -march={build['march']}, hand-written paths {', '.join(build['paths'])}"),
