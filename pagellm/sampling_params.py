@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# vLLM takes any repetition penalty > 0; the sampler divides and multiplies float32 logits by it, where past
+# these bounds it turns into 0 or inf (and logits into inf or NaN): far beyond any useful penalty (HF: ~1.2).
+REPETITION_PENALTY_MIN = 1e-6
 LENGTH_PENALTY_MAX = 10.0  # (2**20 tokens) ** 10 is 2**200: far from float overflow
 _SEED_MIN, _SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accepts
 
@@ -129,8 +132,9 @@ class SamplingParams:
             bad("presence_penalty", "in [-2, 2]", self.presence_penalty)
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= 1 / REPETITION_PENALTY_MIN:
+            bad("repetition_penalty", f"in [{REPETITION_PENALTY_MIN:g}, {1 / REPETITION_PENALTY_MIN:g}]",
+                self.repetition_penalty)
         if not -LENGTH_PENALTY_MAX <= self.length_penalty <= LENGTH_PENALTY_MAX:  # NaN fails too
             # a beam's score divides by length ** length_penalty: past this, float overflow or division by zero
             # in the engine's step (HF and vLLM users pass 0-2)

@@ -269,7 +269,8 @@ def test_prompt_over_kv_capacity_is_rejected(make_llm):
 @pytest.mark.parametrize("kw,field", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
     (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
-    (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=1e7), "repetition_penalty"),
+    (dict(repetition_penalty=1e-7), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(logprobs=100), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
 ])
 def test_invalid_sampling_params_name_the_field(kw, field):

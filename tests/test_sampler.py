@@ -207,6 +207,19 @@ def test_repetition_penalty_changes_greedy_choice():
     assert Sampler([EOS])(logits, [row(temperature=0.0, output=[0], repetition_penalty=1.5)]).token_ids == [1]
 
 
+@pytest.mark.parametrize("penalty", [3.0, 1e6, 1e-6])
+def test_repetition_penalties_past_two_as_vllm_keep_logits_finite(penalty):
+    """vLLM takes any penalty > 0 (pagellm once refused past 2); at the accepted bounds every float32 logit stays
+    finite and a masked token stays masked."""
+    logits = torch.tensor([[30.0, -30.0, 0.5, 3.0, -2.0]])
+    x = Sampler([EOS]).process(logits, [row(prompt=[0, 1], output=[2], allowed_token_ids=[0, 1, 2])])
+    assert torch.isfinite(x[0, :3]).all() and x[0, 3:].tolist() == [-math.inf, -math.inf]
+    got = Sampler([EOS]).process(logits.clone(), [row(prompt=[0, 1], output=[2], repetition_penalty=penalty,
+                                                      allowed_token_ids=[0, 1, 2])])[0]
+    assert torch.isfinite(got[:3]).all() and got[3:].tolist() == [-math.inf, -math.inf]
+    assert got[:3].tolist() == pytest.approx([30.0 / penalty, -30.0 * penalty, 0.5 / penalty], rel=1e-6)
+
+
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.tensor([[0.0, 5.0, 1.0, 9.0, 2.0]] * 4)
     rows = [row(output=[7], min_tokens=2, stop_token_ids=[1], temperature=0.0),
