@@ -133,7 +133,7 @@ def test_memory_a_step_freed_is_not_faulted_in_again():
 
 
 def test_isa_cap_only_lowers_what_the_cpu_has(monkeypatch):
-    from pagellm.platforms.cpu import _capped_flags
+    from pagellm.platforms.cpu_isa import _capped_flags
 
     for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "OPENBLAS_CORETYPE"):
         monkeypatch.delenv(name, raising=False)

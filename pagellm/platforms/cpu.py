@@ -12,24 +12,16 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
-import logging
 import math
 import mmap
 import os
-import platform as _platform
 from collections.abc import Iterator
 
 import torch
 
-from pagellm.kernels.build import ISA_LEVELS, env_choice, isa_level
+from pagellm.kernels.build import env_choice
+from pagellm.platforms import cpu_isa
 from pagellm.platforms.base import OpChoices, Platform
-
-log = logging.getLogger(__name__)
-
-# The /proc/cpuinfo flags the platform reports, in the order `pagellm info` lists them.
-ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
-             "amx_bf16", "amx_int8")
-
 
 # With bf16 GEMMs, steps of more rows than this leave the packed kernels (and the one-call decoder): oneDNN's
 # bf16 GEMM costs about the same from 1 to 16 rows while the packed kernels' float32 FMAs grow with every
@@ -81,42 +73,6 @@ _KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": 
                     "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def _capped_flags(level: str, flags: set[str]) -> set[str]:
-    """The CPU's flags cut to a PAGELLM_CPU_ISA level's (kernels/build.py ISA_LEVELS), with torch's own ISA
-    choices capped to match where the environment does not set them already (oneDNN, MKL and ATen read these
-    at their first use, after import). numpy's OpenBLAS picked its kernels when it loaded: that one only
-    OPENBLAS_CORETYPE, set before the process starts, caps."""
-    _march, kept, onednn, mkl, aten = ISA_LEVELS[level]
-    missing = [flag for flag in kept if flag not in flags]
-    if missing:
-        raise ValueError(f"PAGELLM_CPU_ISA={level} needs {' '.join(missing)}, which this CPU lacks: it can only "
-                         "cap the ISA below what the CPU has")
-    for name, value in (("ONEDNN_MAX_CPU_ISA", onednn), ("MKL_ENABLE_INSTRUCTIONS", mkl),
-                        ("ATEN_CPU_CAPABILITY", aten)):
-        os.environ.setdefault(name, value)
-    if level == "avx2" and not os.environ.get("OPENBLAS_CORETYPE"):
-        log.warning("PAGELLM_CPU_ISA=avx2 without OPENBLAS_CORETYPE=Haswell: numpy's OpenBLAS keeps the kernels it "
-                    "chose for this CPU")
-    return flags & set(kept)
-
-
-def _cpuinfo() -> tuple[str, set[str]]:
-    """(model name with family/model numbers, flags) of the first CPU in /proc/cpuinfo. Virtual machines
-    often report a bare "AMD EPYC": the family number tells Zen 3 (25) from Zen 5 (26)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if not key.strip():
-                    break  # the first processor's block ends at a blank line
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    model = fields.get("model name") or _platform.processor() or "unknown"
-    if "cpu family" in fields:
-        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
-    return model, set((fields.get("flags") or fields.get("Features") or "").split())
 
 
 def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -203,11 +159,8 @@ class CpuPlatform(Platform):
     device_type = "cpu"
 
     def __init__(self):
-        self.cpu_model, flags = _cpuinfo()
-        self.isa_level = isa_level()  # PAGELLM_CPU_ISA: the platform may use less than the CPU has
-        if self.isa_level != "native":
-            flags = _capped_flags(self.isa_level, flags)
-        self.isa = [flag for flag in ISA_FLAGS if flag in flags]
+        # isa_level: PAGELLM_CPU_ISA, under which the platform may use less than the CPU has
+        self.cpu_model, self.isa_level, self.isa = cpu_isa.probe()
         self.num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
     # The switches are read at each decision (not cached), so a test or a user can turn them off per engine.

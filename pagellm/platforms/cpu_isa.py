@@ -1,0 +1,63 @@
+"""What the CPU offers, from /proc/cpuinfo, and the PAGELLM_CPU_ISA cap that lets one machine stand in for an
+older one (kernels/build.py ISA_LEVELS)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform as _platform
+
+from pagellm.kernels.build import ISA_LEVELS, isa_level
+
+log = logging.getLogger(__name__)
+
+# The /proc/cpuinfo flags the platform reports, in the order `pagellm info` lists them.
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
+             "amx_bf16", "amx_int8")
+
+
+def probe() -> tuple[str, str, list[str]]:
+    """(model name, PAGELLM_CPU_ISA level, the ISA_FLAGS the platform may use, in order)."""
+    model, flags = _cpuinfo()
+    level = isa_level()
+    if level != "native":
+        flags = _capped_flags(level, flags)
+    return model, level, [flag for flag in ISA_FLAGS if flag in flags]
+
+
+def _capped_flags(level: str, flags: set[str]) -> set[str]:
+    """The CPU's flags cut to a PAGELLM_CPU_ISA level's (kernels/build.py ISA_LEVELS), with torch's own ISA
+    choices capped to match where the environment does not set them already (oneDNN, MKL and ATen read these
+    at their first use, after import). numpy's OpenBLAS picked its kernels when it loaded: that one only
+    OPENBLAS_CORETYPE, set before the process starts, caps."""
+    _march, kept, onednn, mkl, aten = ISA_LEVELS[level]
+    missing = [flag for flag in kept if flag not in flags]
+    if missing:
+        raise ValueError(f"PAGELLM_CPU_ISA={level} needs {' '.join(missing)}, which this CPU lacks: it can only "
+                         "cap the ISA below what the CPU has")
+    for name, value in (("ONEDNN_MAX_CPU_ISA", onednn), ("MKL_ENABLE_INSTRUCTIONS", mkl),
+                        ("ATEN_CPU_CAPABILITY", aten)):
+        os.environ.setdefault(name, value)
+    if level == "avx2" and not os.environ.get("OPENBLAS_CORETYPE"):
+        log.warning("PAGELLM_CPU_ISA=avx2 without OPENBLAS_CORETYPE=Haswell: numpy's OpenBLAS keeps the kernels it "
+                    "chose for this CPU")
+    return flags & set(kept)
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """(model name with family/model numbers, flags) of the first CPU in /proc/cpuinfo. Virtual machines
+    often report a bare "AMD EPYC": the family number tells Zen 3 (25) from Zen 5 (26)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break  # the first processor's block ends at a blank line
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    model = fields.get("model name") or _platform.processor() or "unknown"
+    if "cpu family" in fields:
+        model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    return model, set((fields.get("flags") or fields.get("Features") or "").split())
