@@ -11,6 +11,7 @@ here were made on CPU time:
 the wall clock). --runs N: the workload N times in the same engine. Each run prints its minor page faults
 and the peak RSS so far, after the engine's start-up time (the eighteenth session's page-fault figures:
 '{"dtype": "auto"}' --runs 3, and '{"dtype": "auto", "prefault_kv_cache": true}' against '{"dtype": "auto"}').
+--temperature T: sample at T (default 0, greedy; vLLM's `bench serve` sends no temperature, so 1).
 --gc: also the garbage collections during each run, by generation, and their time (the twenty-eighth
 session's count, with benchmarks/serve_workload_offline.py --gc).
 """
@@ -39,7 +40,8 @@ def main(prompt_lens: tuple[int, int] = (32, 512), output_lens: tuple[int, int] 
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # kernel build, first touches
     print(f"ready after {time.perf_counter() - t0:.2f} s", flush=True)
     wl = random_workload(64, llm.engine.model_config.vocab_size, prompt_lens, output_lens, 0)
-    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in wl]
+    temperature = float(sys.argv[sys.argv.index("--temperature") + 1]) if "--temperature" in sys.argv else 0.0
+    params = [SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True) for r in wl]
 
     def run():
         return llm.generate([r.prompt_token_ids for r in wl], params, use_tqdm=False)

@@ -126,6 +126,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     return None if rc else out
 
 
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """Each row's categorical draw by inverse CDF (the first token whose running sum of probs passes u times the
+    row's total; probs: [rows, n] float32 on the CPU, unit stride along a row, any scale; u: [rows] float64 in
+    [0, 1)); None where a row's total is not a positive finite number (the caller decides those)."""
+    rows, n = probs.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    rc = library().pagellm_sample_rows(probs.data_ptr(), probs.stride(0), rows, n, u.data_ptr(), out.data_ptr(),
+                                       torch.get_num_threads())
+    return None if rc else out
+
+
 @functools.cache
 def _build_kv_formats() -> int:
     return int(library().pagellm_kv_formats())

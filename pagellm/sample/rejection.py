@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.platforms.base import to_device
+from pagellm.sample.draw import categorical, uniforms
 
 
 def verify(target_probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
@@ -56,6 +57,4 @@ def verify_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    if generator is not None and generator.device != probs.device:
-        return int(torch.multinomial(probs.to(generator.device), 1, generator=generator))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(categorical(probs[None], uniforms([generator]))[0])

@@ -4,7 +4,7 @@ The all-greedy batch without penalties, biases or logprobs is one argmax. Everyt
 over the batch; the only per-row Python work is reading each row's params into metadata lists.
 Rows are processed in this order (vLLM's): logit_bias, min_tokens, repetition penalty, frequency and
 presence penalties; greedy rows then take the argmax; random rows go on through temperature, top-k,
-top-p, min-p and an exponential race that draws each seeded row's noise from its own generator.
+top-p, min-p and a categorical draw (one uniform per row, each seeded row's from its own generator).
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.platforms.base import to_device
+from pagellm.sample.draw import categorical, uniforms
 from pagellm.sample.logprobs import argmax_rows, log_softmax
 from pagellm.sample.token_masks import apply_token_masks, has_masks
 from pagellm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
-# Exponential noise may underflow to 0; 0 / 0 for a masked token would be NaN, and argmax prefers NaN.
-_TINY_NOISE = torch.finfo(torch.float32).tiny
 
 # top-p searches the nucleus among this many best tokens first (a partial topk instead of a vocab sort).
 _TOP_P_CANDIDATES = 1024
@@ -254,26 +253,10 @@ def _apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
     x.masked_fill_(x < threshold, _NEG_INF)
 
 
-def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Exp(1) noise; a seeded row draws its whole row from its own generator, so its draws do not
-    depend on batch size, row index or neighbours."""
-    q = torch.empty_like(probs)
-    seeded = [i for i, r in enumerate(rows) if r.generator is not None]
-    if len(seeded) < len(rows):
-        q.exponential_()
-    for i in seeded:
-        gen = rows[i].generator
-        if gen.device == q.device:
-            q[i].exponential_(generator=gen)
-        else:  # e.g. a CPU generator with CUDA logits: draw where the generator lives, then move
-            q[i].copy_(torch.empty(q.shape[1], device=gen.device).exponential_(generator=gen))
-    return q.clamp_min_(_TINY_NOISE)
-
-
 def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Random rows only: temperature, top-k, top-p, min-p, then argmax(probs / Exp(1)) ~ Categorical."""
+    """Random rows only: temperature, top-k, top-p, min-p, then a categorical draw (sample/draw.py)."""
     probs = sampling_probs(x, rows)
-    return argmax_rows(probs.div_(_exponential_noise(probs, rows)))
+    return categorical(probs, uniforms([r.generator for r in rows]))
 
 
 def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 // The small per-token ops of a decoder layer, fused so that a decode step makes a few calls per
 // layer instead of dozens of tensor ops. Arithmetic follows the torch modules they replace
 // (pagellm/model/layers), operation by operation; only rounding differs (summation order, fused multiply-adds).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -291,4 +292,56 @@ extern "C" int pagellm_argmax_rows(const float* x, int64_t ldx, int rows, int n,
         out[r] = best;
     }
     return nan;
+}
+
+// Categorical draws by inverse CDF: row r's token is the first i whose running sum of p passes u[r] times the row's
+// total, an exact draw from the unnormalized p with one uniform per row (an exponential race needs a logarithm per
+// token: torch's exponential_ took 32-53 ms for 64 x 49,152 here, this ~1 ms). Sums in double, in blocks of 64
+// skipped whole while the running sum stays at or under the target; only a token with p > 0 is chosen (where
+// rounding leaves the target unreached, the last such token). A row whose total is not a positive finite number
+// (NaN, inf, all zero) gets -1 and the call returns 1: the caller decides those.
+static constexpr int DRAW_BLOCK = 64;
+
+static inline double block_sum(const float* p) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 independent lanes: vectorizes without reassociation
+    for (int i = 0; i < DRAW_BLOCK; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += p[i + j];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+static int64_t draw_row(const float* row, int n, double u) {
+    const int whole = n / DRAW_BLOCK * DRAW_BLOCK;
+    double total = 0;
+    for (int i = 0; i < whole; i += DRAW_BLOCK) total += block_sum(row + i);
+    for (int i = whole; i < n; ++i) total += row[i];
+    if (!(total > 0) || !std::isfinite(total)) return -1;
+    const double target = u * total;
+    double acc = 0;
+    for (int i = 0; i < n; i += DRAW_BLOCK) {
+        if (i < whole) {
+            const double s = block_sum(row + i);
+            if (acc + s <= target) {
+                acc += s;
+                continue;
+            }
+        }
+        for (int j = i; j < std::min(i + DRAW_BLOCK, n); ++j) {
+            acc += row[j];
+            if (acc > target && row[j] > 0) return j;
+        }
+    }
+    for (int j = n - 1; j >= 0; --j)
+        if (row[j] > 0) return j;
+    return -1;
+}
+
+extern "C" int pagellm_sample_rows(const float* p, int64_t ldp, int rows, int n, const double* u, int64_t* out,
+                                   int nthreads) {
+    int bad = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows > 1) reduction(| : bad)
+    for (int r = 0; r < rows; ++r) {
+        out[r] = draw_row(p + r * ldp, n, u[r]);
+        bad |= out[r] < 0;
+    }
+    return bad;
 }

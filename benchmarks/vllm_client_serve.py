@@ -1,0 +1,101 @@
+"""The issue's serving comparison with vLLM's own client: `vllm bench serve` (run from vLLM's virtual environment,
+`vllm.benchmarks.serve`; the wheel's console script fails on its metadata) against a fresh `pagellm serve --dtype
+auto --no-enable-prefix-caching` and a fresh vLLM OpenAI server (bf16, prefix caching off, the environment `pagellm
+bench serve --peer vllm` gives it), one server at a time, alternating for --rounds rounds. The workload is issue
+#18's: random dataset, 64 requests, prompts 128-384 tokens, outputs 64-192, ignore_eos, the same seed (the same
+prompts) for both; --request-rate inf sends them all at once. One line per run: output tok/s, median TTFT, median
+TPOT, P99 ITL, as vLLM's client reports them.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/vllm_client_serve.py --rounds 2
+    ... --request-rate 4
+"""
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_cpu_split import start_server  # noqa: E402
+
+from pagellm.bench import peer_vllm  # noqa: E402
+
+CLIENT = """
+import sys
+from vllm.benchmarks import serve
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+serve.add_cli_args(parser)
+serve.main(parser.parse_args())
+"""
+FIELDS = ("Output token throughput", "Median TTFT", "Median TPOT", "P99 ITL")
+
+
+def start_vllm(python: str, model: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(peer_vllm.server_command(python, model, None, "127.0.0.1", port),
+                              env=peer_vllm.vllm_env(2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    for _ in range(600):
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
+                return server, url
+        except OSError:
+            time.sleep(0.5)
+    server.kill()
+    raise SystemExit("the vLLM server did not become ready in 300 s")
+
+
+def client(python: str, url: str, tokenizer: str, rate: str) -> str:
+    name = json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"]
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [python, "-c", CLIENT, "--backend", "openai", "--base-url", url, "--model", name, "--tokenizer",
+               tokenizer, "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
+               "--random-range-ratio", "0.5", "--num-prompts", "64", "--ignore-eos", "--request-rate", rate,
+               "--seed", "0", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=d, env=env)
+    if out.returncode:
+        raise SystemExit(f"vllm bench serve failed: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--request-rate", default="inf")
+    ap.add_argument("--servers", nargs="+", default=["pagellm", "vllm"], choices=["pagellm", "vllm"])
+    ns = ap.parse_args()
+    python, model = peer_vllm.resolve(None, None, None)
+    for r in range(ns.rounds):
+        for name in ns.servers:
+            server, url = start_server([]) if name == "pagellm" else start_vllm(python, model)
+            try:
+                out = client(python, url, model, ns.request_rate)
+            finally:
+                stop(server)
+            found = [re.search(rf"^{key}\D*([0-9.]+)", out, re.M | re.I) for key in FIELDS]
+            print(f"round {r + 1} {name:8s} " + "  ".join(f"{key} {m.group(1) if m else '?'}"
+                                                      for key, m in zip(FIELDS, found, strict=True)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Categorical draws: one uniform per row, then the inverse CDF (the first token whose running sum of probabilities
+passes it). An exact draw like the exponential race (argmax of p / Exp(1) noise) it replaces, which needs a noise
+value and a logarithm per token: torch's `exponential_` took 32-53 ms per step for 64 rows of 49,152 tokens on the
+Xeon VM, the inverse CDF ~1 ms natively (benchmarks/NOTES.md, thirtieth session). A seeded row draws its uniform
+from its own generator, so its token does not depend on batch size, row index or neighbours."""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.kernels import ops
+from pagellm.kernels.build import cpu_kernels
+
+
+def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """[rows] float64 uniforms in [0, 1) on the CPU: rows without a generator from the global one (one call), the
+    others one each from their own (on its device, then moved)."""
+    u = torch.empty(len(generators), dtype=torch.float64)
+    plain = [i for i, g in enumerate(generators) if g is None]
+    if plain:
+        u[plain] = torch.rand(len(plain), dtype=torch.float64)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            u[i] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device).item()
+    return u
+
+
+def categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[rows] int64 token ids on probs' device, drawn from each row of probs ([rows, n], not necessarily
+    normalized) with u ([rows] uniforms in [0, 1)). Only a token with probability > 0 is drawn; a row without any
+    (all masked, NaN) gets some index, which the sampler's mask check then refuses."""
+    if (probs.dtype == torch.float32 and probs.device.type == "cpu" and probs.stride(-1) == 1 and probs.shape[1]
+            and cpu_kernels() is not None):
+        drawn = ops.sample_rows(probs, u.contiguous())
+        if drawn is not None:
+            return drawn
+    n = probs.shape[1]
+    cum = probs.double().cumsum(dim=-1)
+    target = u.to(device=probs.device, dtype=torch.float64)[:, None] * cum[:, -1:]
+    idx = torch.searchsorted(cum, target, right=True).squeeze(1).clamp_(max=n - 1)
+    # u < 1 keeps the target under the total; rounded, it may reach it: then the last token with mass
+    last = n - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)
+    return torch.where(probs.gather(1, idx[:, None]).squeeze(1) > 0, idx, last)
