@@ -405,3 +405,38 @@ def test_sharegpt_turns_without_a_value_are_skipped(tmp_path):
         {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "a b c d e"}]}]))
     reqs = asyncio.run(_sharegpt(Words(), str(data), 1, 0, 100))
     assert [(len(r.prompt_token_ids), r.output_len) for r in reqs] == [(2, 5)]  # was a KeyError: 'value'
+
+
+def test_temperature_is_the_servers_unless_given():
+    """As vLLM's bench serve, no temperature is sent by default (an OpenAI server then samples at 1); --temperature
+    sends one (0: greedy)."""
+    import asyncio
+
+    from pagellm.bench.serve import _send
+    from pagellm.bench.workload import BenchRequest
+
+    bodies = []
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+        bodies.append(json.loads(await reader.readexactly(length)))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                     b'data: {"choices": [{"text": "x"}]}\n\n'
+                     b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}\n\n'
+                     b"data: [DONE]\n\n")
+        await writer.drain()
+        writer.close()
+
+    async def go():
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5)) as client:
+            recs = [await _send(client, url, "m", BenchRequest([100, 7], 1), time.perf_counter(), t)
+                    for t in (None, 0.0, 0.7)]
+        srv.close()
+        return recs
+
+    assert all(r.success for r in asyncio.run(go()))
+    assert "temperature" not in bodies[0] and [b.get("temperature") for b in bodies[1:]] == [0.0, 0.7]
+    assert bodies[0]["ignore_eos"] is True and bodies[0]["prompt"] == [100, 7] and bodies[0]["stream"] is True

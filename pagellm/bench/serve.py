@@ -1,10 +1,11 @@
 """`pagellm bench serve`: an online benchmark against a running OpenAI-compatible server.
 
-The semantics are vLLM's `benchmark_serving.py`, so numbers compare across engines: gamma-distributed
-arrivals (shape = burstiness; 1 is Poisson), one streaming /v1/completions request per prompt with
-`ignore_eos` and a fixed `max_tokens`, and per request TTFT (first streamed chunk), TPOT ((e2e - ttft) /
-(output_tokens - 1)), ITL (gaps between chunks) and E2E latency; goodput counts requests that meet
-every SLO given. Token counts come from the stream's usage chunk, not from counting chunks.
+The semantics are vLLM's `benchmark_serving.py`, so numbers compare across engines: gamma-distributed arrivals
+(shape = burstiness; 1 is Poisson), one streaming /v1/completions request per prompt with `ignore_eos`, a fixed
+`max_tokens` and no temperature unless --temperature (the server's default), and per request TTFT (first
+streamed chunk), TPOT ((e2e - ttft) / (output_tokens - 1)), ITL (gaps between chunks) and E2E latency; goodput
+counts requests that meet every SLO given. Token counts come from the stream's usage chunk, not from counting
+chunks.
 With `--peer pagellm|vllm` instead of `--url`, the benchmark starts the servers itself, one after the
 other, and compares them (`pagellm.bench.serve_launch`).
 """
@@ -59,6 +60,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=cli_types.fraction_below_one, default=0.0,
                    help="random: lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset sample and the arrival times")
+    p.add_argument("--temperature", type=cli_types.nonnegative_number, default=None, metavar="T",
+                   help="sent with every request (0: greedy); default: none, as vLLM's bench serve, so the "
+                        "server's default applies (1 for an OpenAI server: random sampling)"),
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs in ms for goodput, keys ttft, tpot, e2el; e.g. ttft:2000 tpot:100")
     p.add_argument("--timeout", type=cli_types.positive_seconds, default=600.0,
@@ -220,10 +224,13 @@ async def _sharegpt(tokenizer, path: str, n: int, seed: int, max_model_len: int)
     raise ValueError(f"{path}: only {len(out)} usable conversations, --num-prompts asks for {n}")
 
 
-async def _send(client, base: str, model: str, req: BenchRequest, t0: float) -> RequestRecord:
+async def _send(client, base: str, model: str, req: BenchRequest, t0: float,
+                temperature: float | None = None) -> RequestRecord:
     rec = RequestRecord(len(req.prompt_token_ids), req.output_len)
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if temperature is not None:  # else the server's default, as vLLM's client (1 for an OpenAI server)
+        body["temperature"] = temperature
     st = time.perf_counter()
     rec.start = st - t0
     last = st
@@ -269,9 +276,9 @@ async def _run(ns, requests: list[BenchRequest], client, base: str, model: str) 
     async def one(req: BenchRequest, at: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         if sem is None:
-            return await _send(client, base, model, req, t0)
+            return await _send(client, base, model, req, t0, ns.temperature)
         async with sem:
-            return await _send(client, base, model, req, t0)
+            return await _send(client, base, model, req, t0, ns.temperature)
 
     from tqdm import tqdm
 
@@ -379,7 +386,7 @@ async def _bench(ns, slos: dict[str, float], kind: str, path: str | None, url: s
         # One short request first: fails fast on a misconfigured server and warms it up, outside the timing.
         # Its prompt is the first one reversed: the same length, but no prefix a server's cache could reuse.
         warm_prompt = requests[0].prompt_token_ids[::-1]
-        warm = await _send(client, base, model, BenchRequest(warm_prompt, 1), time.perf_counter())
+        warm = await _send(client, base, model, BenchRequest(warm_prompt, 1), time.perf_counter(), ns.temperature)
         if not warm.success:
             raise ValueError(f"the warm-up request failed: {warm.error}")
         cpu0 = time.process_time()
@@ -395,6 +402,7 @@ async def _bench(ns, slos: dict[str, float], kind: str, path: str | None, url: s
                         "range_ratio": ns.range_ratio if kind == "random" else None, "seed": ns.seed},
             "num_prompts": ns.num_prompts, "request_rate": str(ns.request_rate),  # JSON has no inf
             "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency, "goodput_slo_ms": slos,
+            "temperature": ns.temperature,  # None: not sent (the server's default)
             "results": summarize(records, duration, slos), "requests": _per_request(records)}
 
 
