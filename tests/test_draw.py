@@ -74,3 +74,38 @@ def test_rows_without_mass_get_an_index_in_range():
     probs[2, 7] = float("nan")
     got = categorical(probs, torch.full((3,), 0.5, dtype=torch.float64))
     assert got[0] == 4 and ((got >= 0) & (got < 100)).all()
+
+
+@needs_kernels
+def test_softmax_draw_matches_the_softmax_then_the_draw(monkeypatch):
+    """The fused native temperature + softmax + draw against torch's softmax and the draw, same uniforms: the
+    weights differ by exp's rounding (~1e-7 relative), so at most a row whose uniform lands on a boundary parts."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 49_152, generator=gen) * 4
+    x[5, 100:] = float("-inf")  # a row masked down to 100 tokens: those never come
+    temps = [0.3 + 0.05 * i for i in range(64)]
+    u = torch.rand(64, dtype=torch.float64, generator=gen)
+    fused = draw.softmax_categorical(x, temps, u)
+    with monkeypatch.context() as m:
+        m.setattr(draw, "cpu_kernels", lambda: None)
+        reference = draw.softmax_categorical(x, temps, u)
+    assert (fused == reference).sum() >= 63 and fused[5] < 100
+    assert torch.isfinite(x).sum() == 63 * 49_152 + 100  # x untouched
+
+
+def test_softmax_draw_follows_the_distribution():
+    logits = torch.tensor([2.0, 0.0, float("-inf"), 1.0, -1.0] + [float("-inf")] * 60)
+    n, t = 100_000, 0.8
+    x = logits.expand(n, -1).contiguous()
+    u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = draw.softmax_categorical(x, [t] * n, u)
+    freq = torch.bincount(got, minlength=65).double() / n
+    assert freq[2] == 0 and freq[5:].sum() == 0
+    assert (freq - (logits / t).softmax(-1).double()).abs().max() < 0.008
+
+
+def test_softmax_draw_rows_without_a_maximum_fall_back():
+    x = torch.zeros(2, 50)
+    x[1] = float("-inf")
+    got = draw.softmax_categorical(x, [1.0, 1.0], torch.tensor([0.5, 0.5], dtype=torch.float64))
+    assert got[0] == 25 and 0 <= got[1] < 50

@@ -24,16 +24,16 @@ POISON_SEED = 4242
 _HOOK = f'''
 from pagellm.sample import sampler
 
-_process = sampler.Sampler.process
+_call = sampler.Sampler.__call__
 
 
-def process(self, logits, rows):
+def call(self, logits, rows):
     if any(r.params.seed == {POISON_SEED} for r in rows):
         raise RuntimeError("injected fault: this request's logits processor is broken")
-    return _process(self, logits, rows)
+    return _call(self, logits, rows)
 
 
-sampler.Sampler.process = process
+sampler.Sampler.__call__ = call
 '''
 
 

@@ -91,6 +91,7 @@ SIGNATURES = {
     "pagellm_silu_mul_bf16": ([_p, _i32, _i32, _p, _i32], None),
     "pagellm_argmax_rows": ([_p, _i64, _i32, _i32, _p, _i32], _i32),
     "pagellm_sample_rows": ([_p, _i64, _i32, _i32, _p, _p, _i32], _i32),
+    "pagellm_softmax_draw": ([_p, _i64, _i32, _i32, _p, _p, _p, _i32], _i32),
     "pagellm_sgemm": ([_p, _p, _i64, _i64, _i64, _p, _i64, _i32, _i64, _p, _i64, _i32], None),
     "pagellm_packed_sgemm": ([_p, _p, _i64, _i64, _i64, _i32, _p, _p, _p, _i64, _p, _i64, _i32], None),
     # dims, layers, num_layers, kv caches, num_blocks, block_size, final norm, x, T, positions, slots,

@@ -137,6 +137,17 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     return None if rc else out
 
 
+def softmax_draw(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """Each row's draw from softmax(x / T) by inverse CDF, without the probabilities as a tensor (x: [rows, n]
+    float32 on the CPU, unit stride along a row; inv_temp: [rows] float32 1 / T; u: [rows] float64 in [0, 1));
+    None where a row has no finite maximum or total (the caller decides those)."""
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    rc = library().pagellm_softmax_draw(x.data_ptr(), x.stride(0), rows, n, inv_temp.data_ptr(), u.data_ptr(),
+                                        out.data_ptr(), torch.get_num_threads())
+    return None if rc else out
+
+
 @functools.cache
 def _build_kv_formats() -> int:
     return int(library().pagellm_kv_formats())

@@ -41,3 +41,16 @@ def categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # u < 1 keeps the target under the total; rounded, it may reach it: then the last token with mass
     last = n - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(dim=-1)
     return torch.where(probs.gather(1, idx[:, None]).squeeze(1) > 0, idx, last)
+
+
+def softmax_categorical(x: torch.Tensor, temperatures: list[float], u: torch.Tensor) -> torch.Tensor:
+    """categorical(softmax(x / T)) per row, x left untouched: on the CPU in one native call that never builds the
+    probabilities (64 x 49,152 logits: torch's copy, division and softmax ~2 ms, this ~0.6 ms)."""
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and x.shape[1]
+            and cpu_kernels() is not None):
+        inv = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+        drawn = ops.softmax_draw(x, inv, u.contiguous())
+        if drawn is not None:
+            return drawn
+    t = torch.tensor(temperatures, dtype=torch.float32, device=x.device)[:, None]
+    return categorical((x.float() / t).softmax(dim=-1), u)

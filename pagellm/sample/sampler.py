@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.platforms.base import to_device
-from pagellm.sample.draw import categorical, uniforms
+from pagellm.sample.draw import categorical, softmax_categorical, uniforms
 from pagellm.sample.logprobs import argmax_rows, log_softmax
 from pagellm.sample.token_masks import apply_token_masks, has_masks
 from pagellm.sampling_params import SamplingParams
@@ -65,17 +65,20 @@ class Sampler:
 
         # Raw logprobs come from the model's logits before any processing (vLLM's default).
         raw_logprobs = log_softmax(logits) if want_logprobs else None
-        x = self.process(logits, rows)
+        # Rows without penalties, biases or masks read the logits as they are (no float32 copy; nothing below
+        # writes to x then: _sample copies where it filters).
+        untouched = logits.dtype == torch.float32 and not any(self._needs_processing(r) for r in rows)
+        x = logits if untouched else self.process(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             tokens = argmax_rows(x)
         elif not any(greedy):
-            tokens = _sample(x, rows)
+            tokens = _sample(x, rows, writable=not untouched)
         else:
             tokens = argmax_rows(x)
             rand = [i for i, g in enumerate(greedy) if not g]
             rand_idx = to_device(rand, x.device)
-            tokens[rand_idx] = _sample(x[rand_idx], [rows[i] for i in rand])
+            tokens[rand_idx] = _sample(x[rand_idx], [rows[i] for i in rand])  # indexing copies
         if masked:
             check_some_token_allowed(x, tokens, rows)
 
@@ -253,10 +256,14 @@ def _apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
     x.masked_fill_(x < threshold, _NEG_INF)
 
 
-def _sample(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Random rows only: temperature, top-k, top-p, min-p, then a categorical draw (sample/draw.py)."""
-    probs = sampling_probs(x, rows)
-    return categorical(probs, uniforms([r.generator for r in rows]))
+def _sample(x: torch.Tensor, rows: list[SamplingRow], writable: bool = True) -> torch.Tensor:
+    """Random rows only: temperature, top-k, top-p, min-p, then a categorical draw (sample/draw.py). x is
+    modified unless the rows need no filter or writable is False."""
+    u = uniforms([r.generator for r in rows])
+    vocab = x.shape[1]
+    if all(not 0 < r.params.top_k < vocab and r.params.top_p >= 1.0 and r.params.min_p <= 0.0 for r in rows):
+        return softmax_categorical(x, [r.params.temperature for r in rows], u)
+    return categorical(sampling_probs(x if writable else x.clone(), rows), u)
 
 
 def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

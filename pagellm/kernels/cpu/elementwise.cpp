@@ -345,3 +345,50 @@ extern "C" int pagellm_sample_rows(const float* p, int64_t ldp, int rows, int n,
     }
     return bad;
 }
+
+// Temperature, softmax and the draw in one call, for rows that sample from the plain softmax of their logits (no
+// top-k, top-p or min-p): row r's weights exp((x - max) / T[r]) go to a per-thread buffer (one read of x for the
+// max, one for the weights, which then stay in L2 for draw_row's two passes), instead of torch's copy, division
+// and softmax over the whole batch. A weight under exp(-87) is 0 (torch's float softmax gives those 1e-38 at most).
+// Returns 1 where a row has no finite maximum or no positive finite total (its out is -1): the caller decides.
+extern "C" int pagellm_softmax_draw(const float* x, int64_t ldx, int rows, int n, const float* inv_temp,
+                                    const double* u, int64_t* out, int nthreads) {
+    int bad = 0;
+#pragma omp parallel num_threads(nthreads) if (rows > 1) reduction(| : bad)
+    {
+        std::vector<float> w(n);
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; ++r) {
+            const float* row = x + r * ldx;
+            float m = -INFINITY;
+            for (int i = 0; i < n; ++i) m = row[i] > m ? row[i] : m;  // NaN never wins: a NaN row sums to NaN
+            if (!std::isfinite(m)) {
+                out[r] = -1;
+                bad = 1;
+                continue;
+            }
+            const float s = inv_temp[r];
+            int i = 0;
+#if defined(__AVX512F__)
+            const __m512 mv = _mm512_set1_ps(m), sv = _mm512_set1_ps(s), floor = _mm512_set1_ps(-87.f);
+            for (; i + 16 <= n; i += 16) {
+                const __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), mv), sv);
+                _mm512_storeu_ps(w.data() + i, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, floor, _CMP_GE_OQ), exp16(z)));
+            }
+#elif defined(__AVX2__) && defined(__FMA__)
+            const __m256 mv = _mm256_set1_ps(m), sv = _mm256_set1_ps(s), floor = _mm256_set1_ps(-87.f);
+            for (; i + 8 <= n; i += 8) {
+                const __m256 z = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + i), mv), sv);
+                _mm256_storeu_ps(w.data() + i, _mm256_and_ps(_mm256_cmp_ps(z, floor, _CMP_GE_OQ), exp8(z)));
+            }
+#endif
+            for (; i < n; ++i) {
+                const float z = (row[i] - m) * s;
+                w[i] = z >= -87.f ? std::exp(z) : 0.f;
+            }
+            out[r] = draw_row(w.data(), n, u[r]);
+            bad |= out[r] < 0;
+        }
+    }
+    return bad;
+}
