@@ -83,8 +83,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--request-rate", default="inf")
     ap.add_argument("--servers", nargs="+", default=["pagellm", "vllm"], choices=["pagellm", "vllm"])
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the runs, the command and the CPU")
     ns = ap.parse_args()
     python, model = peer_vllm.resolve(None, None, None)
+    runs = []
     for r in range(ns.rounds):
         for name in ns.servers:
             server, url = start_server([]) if name == "pagellm" else start_vllm(python, model)
@@ -93,8 +95,18 @@ def main() -> None:
             finally:
                 stop(server)
             found = [re.search(rf"^{key}\D*([0-9.]+)", out, re.M | re.I) for key in FIELDS]
+            runs.append({"round": r + 1, "server": name, **{key: float(m.group(1)) if m else None
+                                                            for key, m in zip(FIELDS, found, strict=True)}})
             print(f"round {r + 1} {name:8s} " + "  ".join(f"{key} {m.group(1) if m else '?'}"
                                                       for key, m in zip(FIELDS, found, strict=True)), flush=True)
+    if ns.json:
+        from pagellm.platforms import get_platform
+
+        with open(ns.json, "w") as f:
+            json.dump({"benchmark": "vllm bench serve against both servers", "date": time.strftime("%Y-%m-%d"),
+                       "command": " ".join(["benchmarks/vllm_client_serve.py", *sys.argv[1:]]),
+                       "platform": get_platform("cpu").summary_line(), "request_rate": ns.request_rate,
+                       "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

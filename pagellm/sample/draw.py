@@ -12,16 +12,18 @@ from pagellm.kernels import ops
 from pagellm.kernels.build import cpu_kernels
 
 
-def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
-    """[rows] float64 uniforms in [0, 1) on the CPU: rows without a generator from the global one (one call), the
-    others one each from their own (on its device, then moved)."""
-    u = torch.empty(len(generators), dtype=torch.float64)
+def uniforms(generators: list[torch.Generator | None], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[rows] float64 uniforms in [0, 1) on `device`: rows without a generator from the device's global one (one
+    call), the others one each from their own (drawn where it lives, then copied: no host sync on a GPU)."""
+    u = torch.empty(len(generators), dtype=torch.float64, device=device)
     plain = [i for i, g in enumerate(generators) if g is None]
+    if len(plain) == len(generators):
+        return u.uniform_()
     if plain:
-        u[plain] = torch.rand(len(plain), dtype=torch.float64)
+        u[plain] = torch.rand(len(plain), dtype=torch.float64, device=device)
     for i, gen in enumerate(generators):
         if gen is not None:
-            u[i] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device).item()
+            u[i:i + 1].copy_(torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device))
     return u
 
 

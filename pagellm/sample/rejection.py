@@ -57,4 +57,4 @@ def verify_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(categorical(probs[None], uniforms([generator]))[0])
+    return int(categorical(probs[None], uniforms([generator], probs.device))[0])
