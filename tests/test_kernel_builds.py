@@ -24,7 +24,7 @@ TIMEOUT = 240  # seconds per subprocess
 # The op-by-op comparisons with torch and the tiny-model engine comparisons: ~5 s per build here
 # (the SmolLM2 end-to-end tests of test_kernels.py take a minute and need no second ISA to be useful).
 KERNEL_SUBSET = ("packed_linear_matches or int8_activation_rows or add_rmsnorm or paged_attention or blas_matmul "
-                 "or packed_weight_rows or native_paths_match")
+                 "or packed_weight_rows or native_paths_match or draw")  # draw: tests/test_draw.py's kernels
 PORTABLE_SUBSET = KERNEL_SUBSET  # test_packed_linear_matches_float32_weights bounds by float32 summation error
 
 needs_compiler = pytest.mark.skipif(
@@ -79,7 +79,8 @@ def test_kernel_tests_pass_on_each_build(target, x86_64_env, tmp_path):
         pytest.skip("the host cannot run AVX2 code")
     env = {"x86-64": x86_64_env, "host": _env(),
            "haswell": _env(PAGELLM_CPU_ARCH="haswell", PAGELLM_CACHE_DIR=str(tmp_path))}[target]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_kernels.py", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_kernels.py", "tests/test_draw.py", "-p",
+           "no:cacheprovider",
            "-k", PORTABLE_SUBSET if target == "x86-64" else KERNEL_SUBSET]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     out = proc.stdout + proc.stderr

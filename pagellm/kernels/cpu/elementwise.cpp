@@ -360,8 +360,20 @@ extern "C" int pagellm_softmax_draw(const float* x, int64_t ldx, int rows, int n
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; ++r) {
             const float* row = x + r * ldx;
-            float m = -INFINITY;
-            for (int i = 0; i < n; ++i) m = row[i] > m ? row[i] : m;  // NaN never wins: a NaN row sums to NaN
+            float m = -INFINITY;  // NaN never wins here (max_ps keeps its second operand): a NaN row sums to NaN
+            int j = 0;
+#if defined(__AVX512F__)
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(_mm512_loadu_ps(row + j), mx);
+            m = _mm512_reduce_max_ps(mx);
+#elif defined(__AVX2__)
+            __m256 mx = _mm256_set1_ps(-INFINITY);
+            for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(_mm256_loadu_ps(row + j), mx);
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, mx);
+            for (float v : lanes) m = v > m ? v : m;
+#endif
+            for (; j < n; ++j) m = row[j] > m ? row[j] : m;
             if (!std::isfinite(m)) {
                 out[r] = -1;
                 bad = 1;
