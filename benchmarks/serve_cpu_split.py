@@ -34,24 +34,29 @@ def children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
-def start_server(extra: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`pagellm serve --dtype auto --no-enable-prefix-caching` (plus extra options) on a free local port, once its
-    /health answers: the process and its URL."""
+def launch(cmd_for_port, env: dict | None = None, ready_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """cmd_for_port(port) started on a free local port, once its /health answers: the process and its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([PY, "-m", "pagellm.cli", "serve", "--dtype", "auto", "--no-enable-prefix-caching",
-                               "--port", str(port), *extra], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    for _ in range(240):
+    server = subprocess.Popen(cmd_for_port(port), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    for _ in range(int(ready_s * 2)):
         try:
             if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
                 return server, url
         except OSError:
             time.sleep(0.5)
-    server.terminate()
-    raise SystemExit("the server did not become ready in 120 s")
+    server.kill()
+    raise SystemExit(f"the server did not become ready in {ready_s:g} s")
+
+
+def start_server(extra: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`pagellm serve --dtype auto --no-enable-prefix-caching` (plus extra options) on a free local port, once its
+    /health answers: the process and its URL."""
+    return launch(lambda port: [PY, "-m", "pagellm.cli", "serve", "--dtype", "auto", "--no-enable-prefix-caching",
+                                "--port", str(port), *extra], env)
 
 
 def run_workload(url: str, bench_args: tuple[str, ...] | list[str] = ()) -> str:

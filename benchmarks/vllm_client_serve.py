@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_cpu_split import start_server  # noqa: E402
+from serve_cpu_split import launch, start_server  # noqa: E402
 
 from pagellm.bench import peer_vllm  # noqa: E402
 
@@ -38,21 +37,8 @@ FIELDS = ("Output token throughput", "Median TTFT", "Median TPOT", "P99 ITL")
 
 
 def start_vllm(python: str, model: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(peer_vllm.server_command(python, model, None, "127.0.0.1", port),
-                              env=peer_vllm.vllm_env(2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    for _ in range(600):
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
-                return server, url
-        except OSError:
-            time.sleep(0.5)
-    server.kill()
-    raise SystemExit("the vLLM server did not become ready in 300 s")
+    return launch(lambda port: peer_vllm.server_command(python, model, None, "127.0.0.1", port),
+                  peer_vllm.vllm_env(2), ready_s=300.0)
 
 
 def client(python: str, url: str, tokenizer: str, rate: str) -> str:
