@@ -138,11 +138,15 @@ def test_isa_cap_only_lowers_what_the_cpu_has(monkeypatch):
     for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "OPENBLAS_CORETYPE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")  # the user's own cap stays
-    zen4 = {"sse4_2", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}
+    zen4 = {"sse4_2", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm", "avx512f", "avx512bw", "avx512cd",
+            "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni"}
     assert _capped_flags("avx512", zen4) == {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2_VNNI" and os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
     with pytest.raises(ValueError, match="PAGELLM_CPU_ISA=avx512_bf16 needs avx512_bf16, which this CPU lacks"):
         _capped_flags("avx512_bf16", zen4 - {"avx512_bf16"})
+    # what -march=haswell lets the compiler emit beyond AVX2 (sarx, movbe, lzcnt) counts too, though not reported
+    with pytest.raises(ValueError, match="PAGELLM_CPU_ISA=avx2 needs bmi2, which"):
+        _capped_flags("avx2", zen4 - {"bmi2"})
     monkeypatch.setenv("PAGELLM_CPU_ISA", "avx3")
     with pytest.raises(ValueError, match="PAGELLM_CPU_ISA must be"):
         CpuPlatform()

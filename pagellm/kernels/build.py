@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch  # noqa: F401  (loads torch's libgomp first, so the kernels share its OpenMP thread pool)
 
@@ -160,23 +161,52 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+class IsaLevel(NamedTuple):
+    march: str
+    kept: tuple[str, ...]  # the /proc/cpuinfo flags (of platforms/cpu_isa.ISA_FLAGS) the platform keeps
+    also_needed: tuple[str, ...]  # flags the -march lets the compiler use beyond those (BMI2's sarx, ...)
+    onednn: str  # ONEDNN_MAX_CPU_ISA
+    mkl: str  # MKL_ENABLE_INSTRUCTIONS
+    aten: str  # ATEN_CPU_CAPABILITY
+
+
 # PAGELLM_CPU_ISA caps what pagellm uses at an older x86-64 level than the CPU has, so that one machine can
 # stand in for another (an AVX2-only laptop, an AVX-512 server without BF16): the platform sees only the level's
-# flags, the kernels build for its -march, and torch's oneDNN, MKL and ATen kernels are capped to match
-# (platforms/cpu.py). Each level: (-march, the /proc/cpuinfo flags it keeps, ONEDNN_MAX_CPU_ISA,
-# MKL_ENABLE_INSTRUCTIONS, ATEN_CPU_CAPABILITY). "native" (the default) caps nothing.
+# flags, the kernels build for its -march (unless PAGELLM_CPU_ARCH names one: the lower-level knob wins), and
+# torch's oneDNN, MKL and ATen kernels are capped to match (platforms/cpu_isa.py). "native" (the default) caps
+# nothing. A level whose -march needs a flag the CPU lacks is refused: its library would die on SIGILL.
+_AVX2 = ("avx2", "fma", "f16c")
+_HASWELL = ("bmi1", "bmi2", "movbe", "abm")
+_AVX512 = _AVX2 + ("avx512f", "avx512bw", "avx512_vnni")
 ISA_LEVELS = {
-    "avx2": ("haswell", ("avx2", "fma", "f16c"), "AVX2", "AVX2", "avx2"),
-    "avx512": ("cascadelake", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"),
-               "AVX512_CORE_VNNI", "AVX512", "avx512"),
-    "avx512_bf16": ("cooperlake", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"),
-                    "AVX512_CORE_BF16", "AVX512", "avx512"),
+    "avx2": IsaLevel("haswell", _AVX2, _HASWELL, "AVX2", "AVX2", "avx2"),
+    "avx512": IsaLevel("cascadelake", _AVX512, _HASWELL + ("avx512cd", "avx512dq", "avx512vl"),
+                       "AVX512_CORE_VNNI", "AVX512", "avx512"),
+    "avx512_bf16": IsaLevel("cooperlake", _AVX512 + ("avx512_bf16",), _HASWELL + ("avx512cd", "avx512dq", "avx512vl"),
+                            "AVX512_CORE_BF16", "AVX512", "avx512"),
 }
 
 
 def isa_level() -> str:
     """The PAGELLM_CPU_ISA level ("native": no cap)."""
     return env_choice("PAGELLM_CPU_ISA", ("native", *ISA_LEVELS))
+
+
+def check_isa_level(level: str, flags: set[str]) -> None:
+    """ValueError unless a CPU with these /proc/cpuinfo flags runs everything the level's -march may emit."""
+    missing = [f for f in ISA_LEVELS[level].kept + ISA_LEVELS[level].also_needed if f not in flags]
+    if missing:
+        raise ValueError(f"PAGELLM_CPU_ISA={level} needs {' '.join(missing)}, which this CPU lacks: it can only "
+                         "cap the ISA below what the CPU has")
+
+
+def cpu_flags() -> set[str]:
+    """The first CPU's /proc/cpuinfo flags (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").partition(":")[2].split())
+    except OSError:
+        return set()
 
 
 def _load_enabled() -> tuple[ctypes.CDLL, dict] | None:
@@ -191,7 +221,9 @@ def _load() -> tuple[ctypes.CDLL, dict] | None:
     if cxx is None:
         return None
     level = isa_level()
-    march = os.environ.get("PAGELLM_CPU_ARCH") or (ISA_LEVELS[level][0] if level != "native" else "native")
+    if level != "native" and not os.environ.get("PAGELLM_CPU_ARCH"):
+        check_isa_level(level, cpu_flags())
+    march = os.environ.get("PAGELLM_CPU_ARCH") or (ISA_LEVELS[level].march if level != "native" else "native")
     try:
         path, isa = _build(cxx, march)
         lib = ctypes.CDLL(str(path))

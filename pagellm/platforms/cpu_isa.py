@@ -7,7 +7,7 @@ import logging
 import os
 import platform as _platform
 
-from pagellm.kernels.build import ISA_LEVELS, isa_level
+from pagellm.kernels.build import ISA_LEVELS, check_isa_level, isa_level
 
 log = logging.getLogger(__name__)
 
@@ -28,20 +28,22 @@ def probe() -> tuple[str, str, list[str]]:
 def _capped_flags(level: str, flags: set[str]) -> set[str]:
     """The CPU's flags cut to a PAGELLM_CPU_ISA level's (kernels/build.py ISA_LEVELS), with torch's own ISA
     choices capped to match where the environment does not set them already (oneDNN, MKL and ATen read these
-    at their first use, after import). numpy's OpenBLAS picked its kernels when it loaded: that one only
-    OPENBLAS_CORETYPE, set before the process starts, caps."""
-    _march, kept, onednn, mkl, aten = ISA_LEVELS[level]
-    missing = [flag for flag in kept if flag not in flags]
-    if missing:
-        raise ValueError(f"PAGELLM_CPU_ISA={level} needs {' '.join(missing)}, which this CPU lacks: it can only "
-                         "cap the ISA below what the CPU has")
-    for name, value in (("ONEDNN_MAX_CPU_ISA", onednn), ("MKL_ENABLE_INSTRUCTIONS", mkl),
-                        ("ATEN_CPU_CAPABILITY", aten)):
+    at their first use: a process that ran torch ops before is warned). numpy's OpenBLAS picked its kernels when
+    it loaded: that one only OPENBLAS_CORETYPE, set before the process starts, caps."""
+    check_isa_level(level, flags)
+    cap = ISA_LEVELS[level]
+    for name, value in (("ONEDNN_MAX_CPU_ISA", cap.onednn), ("MKL_ENABLE_INSTRUCTIONS", cap.mkl),
+                        ("ATEN_CPU_CAPABILITY", cap.aten)):
         os.environ.setdefault(name, value)
+    import torch
+
+    if torch.backends.cpu.get_cpu_capability().lower() not in (os.environ["ATEN_CPU_CAPABILITY"].lower(), "default"):
+        log.warning("PAGELLM_CPU_ISA=%s: torch already chose its %s kernels in this process (set the variable "
+                    "before it starts)", level, torch.backends.cpu.get_cpu_capability())
     if level == "avx2" and not os.environ.get("OPENBLAS_CORETYPE"):
         log.warning("PAGELLM_CPU_ISA=avx2 without OPENBLAS_CORETYPE=Haswell: numpy's OpenBLAS keeps the kernels it "
                     "chose for this CPU")
-    return flags & set(kept)
+    return flags & set(cap.kept)
 
 
 def _cpuinfo() -> tuple[str, set[str]]:

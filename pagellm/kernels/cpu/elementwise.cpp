@@ -350,7 +350,8 @@ extern "C" int pagellm_sample_rows(const float* p, int64_t ldp, int rows, int n,
 // top-k, top-p or min-p): row r's weights exp((x - max) / T[r]) go to a per-thread buffer (one read of x for the
 // max, one for the weights, which then stay in L2 for draw_row's two passes), instead of torch's copy, division
 // and softmax over the whole batch. A weight under exp(-87) is 0 (torch's float softmax gives those 1e-38 at most).
-// Returns 1 where a row has no finite maximum or no positive finite total (its out is -1): the caller decides.
+// Returns 1 where a row holds a NaN or +inf, only -inf, or no positive finite total (its out is -1): the caller
+// decides.
 extern "C" int pagellm_softmax_draw(const float* x, int64_t ldx, int rows, int n, const float* inv_temp,
                                     const double* u, int64_t* out, int nthreads) {
     int bad = 0;
@@ -360,21 +361,37 @@ extern "C" int pagellm_softmax_draw(const float* x, int64_t ldx, int rows, int n
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; ++r) {
             const float* row = x + r * ldx;
-            float m = -INFINITY;  // NaN never wins here (max_ps keeps its second operand): a NaN row sums to NaN
+            // the maximum, and whether the row holds a NaN (max_ps passes NaN over: it is counted apart)
+            float m = -INFINITY;
+            bool nan = false;
             int j = 0;
 #if defined(__AVX512F__)
             __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(_mm512_loadu_ps(row + j), mx);
+            __mmask16 unordered = 0;
+            for (; j + 16 <= n; j += 16) {
+                const __m512 v = _mm512_loadu_ps(row + j);
+                unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                mx = _mm512_max_ps(v, mx);
+            }
             m = _mm512_reduce_max_ps(mx);
+            nan = unordered != 0;
 #elif defined(__AVX2__)
-            __m256 mx = _mm256_set1_ps(-INFINITY);
-            for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(_mm256_loadu_ps(row + j), mx);
+            __m256 mx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+            for (; j + 8 <= n; j += 8) {
+                const __m256 v = _mm256_loadu_ps(row + j);
+                unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                mx = _mm256_max_ps(v, mx);
+            }
             alignas(32) float lanes[8];
             _mm256_store_ps(lanes, mx);
             for (float v : lanes) m = v > m ? v : m;
+            nan = _mm256_movemask_ps(unordered) != 0;
 #endif
-            for (; j < n; ++j) m = row[j] > m ? row[j] : m;
-            if (!std::isfinite(m)) {
+            for (; j < n; ++j) {
+                nan |= row[j] != row[j];
+                m = row[j] > m ? row[j] : m;
+            }
+            if (nan || !std::isfinite(m)) {  // NaN, +inf or nothing but -inf: the caller decides
                 out[r] = -1;
                 bad = 1;
                 continue;
