@@ -44,6 +44,7 @@ class ServerContext:
     created: int = 0
     chat: ChatSettings = field(default_factory=ChatSettings)  # --chat-template, tool calling
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the default of the request field
+    sampling_defaults: dict = field(default_factory=dict)  # --generation-config: fields requests leave out
 
     @property
     def model_name(self) -> str:

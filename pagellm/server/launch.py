@@ -11,6 +11,7 @@ import socket
 
 from pagellm import cli_types
 from pagellm.config import EngineArgs, parse_bytes
+from pagellm.server import generation_defaults
 from pagellm.server.middleware import HttpOptions
 from pagellm.server.tool_parsers import TOOL_PARSERS
 
@@ -46,6 +47,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--shutdown-timeout", type=cli_types.nonnegative_seconds, default=10.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, let in-flight requests finish this long, then abort them "
                         "(default 10)")
+    s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for requests that "
+                        "leave them out: auto (default) from the model directory's generation_config.json, as vLLM; "
+                        "vllm: the OpenAI defaults; DIR: that directory's generation_config.json")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprob tokens as "token_id:N" (vLLM), unless a request sets return_tokens_as_token_ids')
     s.add_argument("--enable-request-id-headers", action="store_true",
@@ -134,6 +139,8 @@ def serve(ns: argparse.Namespace) -> int:
     # Flags checked before the model loads, so a typo fails in a second.
     chat = ChatSettings(load_chat_template(ns.chat_template) if ns.chat_template else None,
                         ns.enable_auto_tool_choice, ns.tool_call_parser, ns.trust_request_chat_template)
+    if ns.generation_config not in ("auto", "vllm"):  # an explicit directory: checked before the load
+        generation_defaults.load(ns.generation_config, None)
     args = EngineArgs.from_cli_args(ns)
     if args.node_rank > 0:  # a worker node of a multi-node deployment: no engine, no HTTP
         return run_headless((args.master_addr, args.master_port), args.nnodes, args.node_rank)
@@ -141,6 +148,10 @@ def serve(ns: argparse.Namespace) -> int:
     async_engine, shutdown = start_engine(args, ns.engine_process, ns.max_queue_len)
     try:
         names = ns.served_model_name or [default_model_name(ns.model, async_engine.info.model_path)]
+        sampling_defaults = generation_defaults.load(ns.generation_config, async_engine.info.model_path)
+        if sampling_defaults:  # vLLM says so too: a request without them does not sample at the OpenAI defaults
+            logger.info("sampling defaults from generation_config.json for requests that leave them out: %s "
+                        "(--generation-config vllm keeps the OpenAI defaults)", sampling_defaults)
         async_engine.log_requests = ns.log_requests
         app = build_app(async_engine, names, api_key=api_key, request_timeout=ns.request_timeout,
                         enable_request_id_headers=ns.enable_request_id_headers, root_path=ns.root_path,
@@ -148,6 +159,7 @@ def serve(ns: argparse.Namespace) -> int:
                         enable_tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
                         disable_fastapi_docs=ns.disable_fastapi_docs, chat=chat, http=http)
         app.state.ctx.return_tokens_as_token_ids = ns.return_tokens_as_token_ids
+        app.state.ctx.sampling_defaults = sampling_defaults
         config = uvicorn_config(app, ns.host, ns.port, ns.uvicorn_log_level)
         server = GracefulServer(config, async_engine, names[0], ns.shutdown_timeout)
         server.run()

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.fields import Flag, Int, TokenId
+from pagellm.server.generation_defaults import given as sampling_default
 from pagellm.server.protocol_structured import StructuredOutputFields, attach
 
 
@@ -71,7 +72,8 @@ class _SamplingRequest(StructuredOutputFields, _Body):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           beam_width: int | None = None) -> SamplingParams:
+                           beam_width: int | None = None, defaults: dict | None = None) -> SamplingParams:
+        """defaults: the server's sampling defaults for fields the request leaves out (generation_defaults)."""
         if self.use_beam_search:
             return self._beam_search_params(max_tokens, logprobs, beam_width)
         bias = None
@@ -85,14 +87,16 @@ class _SamplingRequest(StructuredOutputFields, _Body):
         def given(value, default):
             return default if value is None else value
 
+        d = defaults or {}
         return attach(SamplingParams(
-            n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
-            top_k=given(self.top_k, -1), min_p=given(self.min_p, 0.0), seed=self.seed, stop=self.stop,
+            n=self.n, temperature=sampling_default(self.temperature, d, "temperature"),
+            top_p=sampling_default(self.top_p, d, "top_p"), top_k=sampling_default(self.top_k, d, "top_k"),
+            min_p=sampling_default(self.min_p, d, "min_p"), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=given(self.presence_penalty, 0.0),
             frequency_penalty=given(self.frequency_penalty, 0.0),
-            repetition_penalty=given(self.repetition_penalty, 1.0), logit_bias=bias,
+            repetition_penalty=sampling_default(self.repetition_penalty, d, "repetition_penalty"), logit_bias=bias,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens),

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.fields import Flag, Int
+from pagellm.server.generation_defaults import given as sampling_default
 from pagellm.server.protocol_structured import attach
 
 
@@ -176,14 +177,15 @@ class ResponsesRequest(_Body):
             raise ValueError("text requires format.schema when format.type is 'json_schema'")
         return StructuredOutputsParams(json=fmt.schema_)
 
-    def to_sampling_params(self) -> SamplingParams:
-        def given(value, default):
-            return default if value is None else value
-
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
+        """defaults: the server's sampling defaults for fields the request leaves out (generation_defaults)."""
+        d = defaults or {}
         try:
             params = SamplingParams(
-                temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0), top_k=given(self.top_k, -1),
-                min_p=given(self.min_p, 0.0), repetition_penalty=given(self.repetition_penalty, 1.0),
+                temperature=sampling_default(self.temperature, d, "temperature"),
+                top_p=sampling_default(self.top_p, d, "top_p"), top_k=sampling_default(self.top_k, d, "top_k"),
+                min_p=sampling_default(self.min_p, d, "min_p"),
+                repetition_penalty=sampling_default(self.repetition_penalty, d, "repetition_penalty"),
                 seed=self.seed, max_tokens=self.max_output_tokens,
                 logprobs=(self.top_logprobs or 0) if self.wants_logprobs else None)
             return attach(params, self.structured_outputs(), "text.format.schema")  # the field errors name

@@ -70,7 +70,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         max_tokens = max(ctx.engine.max_model_len - len(prompt_ids), 1)
     try:
         logprobs = body.engine_logprobs()
-        params = body.to_sampling_params(max_tokens, logprobs)
+        params = body.to_sampling_params(max_tokens, logprobs, defaults=ctx.sampling_defaults)
     except ValueError as e:
         msg = str(e)
         if body.max_completion_tokens is not None and msg.startswith("max_tokens "):

@@ -55,7 +55,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     try:
         prompts = body.prompts()
         params = body.to_sampling_params(1 if no_generation else body.max_tokens, body.logprobs,
-                                         beam_width=body.best_of)
+                                         beam_width=body.best_of, defaults=ctx.sampling_defaults)
     except ValueError as e:
         raise bad_request(e, "prompt") from None
     params = with_prompt_logprobs(params, body, body.logprobs if body.echo else None)

@@ -100,7 +100,7 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: ServerC
     check_list_length("input", body.input, MAX_MESSAGES)  # every item is rendered through the template
     try:
         body.refuse_unsupported()
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(ctx.sampling_defaults)
     except ValueError as e:
         raise bad_request(e) from None
     history: list[dict] = []
