@@ -58,6 +58,9 @@ def test_argument_errors():
         parse_dataset(["sharegpt-json"])
 
 
+GREEDY = ["--temperature", "0"]  # the tiny model's streams, chunk for chunk as before
+
+
 # ---- against a real server ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,8 @@ def _check(report: dict, n: int, asked_out: list[int] | None = None):
 
 def test_random_dataset_run(server_url, tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = main(["bench", "serve", "--url", server_url + "/v1", "--num-prompts", "6", "--request-rate", "20",
+    rc = main(["bench", "serve", *GREEDY,
+               "--url", server_url + "/v1", "--num-prompts", "6", "--request-rate", "20",
                "--burstiness", "0.5", "--max-concurrency", "3", "--input-len", "16", "--output-len", "8",
                "--goodput", "ttft:60000", "tpot:60000", "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
@@ -121,7 +125,8 @@ def test_sharegpt_dataset_run_with_tight_slo(server_url, tmp_path):
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(convs))
     out_json = tmp_path / "s.json"
-    rc = main(["bench", "serve", "--url", server_url, "--num-prompts", "4", "--dataset", "sharegpt-json",
+    rc = main(["bench", "serve", *GREEDY,
+               "--url", server_url, "--num-prompts", "4", "--dataset", "sharegpt-json",
                str(data), "--goodput", "ttft:0.001", "--json", str(out_json)])
     assert rc == 0
     report = json.loads(out_json.read_text())
@@ -132,7 +137,8 @@ def test_sharegpt_dataset_run_with_tight_slo(server_url, tmp_path):
     assert {r["output_tokens"] for r in report["requests"]} <= possible_out
     assert report["results"]["request_goodput"] == 0.0  # a 1 us TTFT SLO is never met
     with pytest.raises(ValueError, match="only 5 usable"):
-        main_raising(["bench", "serve", "--url", server_url, "--num-prompts", "9", "--dataset", "sharegpt-json",
+        main_raising(["bench", "serve", *GREEDY,
+                      "--url", server_url, "--num-prompts", "9", "--dataset", "sharegpt-json",
                       str(data)])
 
 
@@ -142,7 +148,8 @@ def test_local_tokenizer_instead_of_the_servers_endpoints(server_url, smollm_ggu
     from pagellm.tokenizer import Tokenizer
 
     out_json = tmp_path / "t.json"
-    rc = main(["bench", "serve", "--url", server_url, "--num-prompts", "3", "--input-len", "12", "--output-len", "4",
+    rc = main(["bench", "serve", *GREEDY,
+               "--url", server_url, "--num-prompts", "3", "--input-len", "12", "--output-len", "4",
                "--tokenizer", smollm_gguf_path, "--json", str(out_json)])
     assert rc == 0
     report = json.loads(out_json.read_text())
@@ -153,7 +160,8 @@ def test_local_tokenizer_instead_of_the_servers_endpoints(server_url, smollm_ggu
     convs = [{"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "It splits text. " * 3}]}]
     data = tmp_path / "one.json"
     data.write_text(json.dumps(convs))
-    rc = main(["bench", "serve", "--url", server_url, "--num-prompts", "1", "--dataset", "sharegpt-json", str(data),
+    rc = main(["bench", "serve", *GREEDY,
+               "--url", server_url, "--num-prompts", "1", "--dataset", "sharegpt-json", str(data),
                "--tokenizer", smollm_gguf_path, "--json", str(out_json)])
     assert rc == 0
     served = httpx.post(server_url + "/tokenize", json={"prompt": text, "add_special_tokens": True}).json()["tokens"]
@@ -188,7 +196,9 @@ def test_failed_streams_are_records_not_exceptions(server_url):
 
     async def go():
         async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as s:
-            return [await _send(s, base, name, BenchRequest(prompt, n), time.perf_counter()) for base, name, prompt, n
+            # greedy: a sampled token may be part of a character, which the server streams with the next one
+            return [await _send(s, base, name, BenchRequest(prompt, n), time.perf_counter(), 0.0)
+                    for base, name, prompt, n
                     in [(server_url, model, [100, 101, 102], 3), (server_url, "no-such-model", [100, 101], 2),
                         (server_url, model, [100] * 2000, 2), ("http://127.0.0.1:1", model, [100], 2)]]
 
@@ -263,7 +273,7 @@ def test_launched_pagellm_with_vllm_skipped(tiny_hf_model, smollm_gguf_path, tmp
     missing = tmp_path / "nowhere" / "python"
     rc = main(["bench", "serve", "--peer", "vllm", "--peer-python", str(missing), "--serve-args",
                f"--model {model} --tokenizer {smollm_gguf_path} --kv-cache-memory 16MiB", "--num-prompts", "3",
-               "--input-len", "12", "--output-len", "4", "--json", str(out_json), "--plot", str(out_png)])
+               "--input-len", "12", "--output-len", "4", "--json", str(out_json), "--plot", str(out_png), *GREEDY])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert f"skipping vllm: no vLLM python at {missing} (--peer-python)" in text and "Traceback" not in text
@@ -286,7 +296,7 @@ def test_launched_pagellm_and_vllm(tmp_path, capsys):
     out_json = tmp_path / "v.json"
     rc = main(["bench", "serve", "--peer", "vllm", "--peer-python", _vllm_python(), "--serve-args",
                "--kv-cache-memory 32MiB", "--num-prompts", "3", "--input-len", "16", "--output-len", "6",
-               "--json", str(out_json)])
+               "--json", str(out_json), *GREEDY])
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads(out_json.read_text())
