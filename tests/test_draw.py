@@ -17,7 +17,7 @@ needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="native CPU ker
 
 def torch_path(probs: torch.Tensor, u: torch.Tensor, monkeypatch) -> torch.Tensor:
     with monkeypatch.context() as m:
-        m.setattr(draw, "cpu_kernels", lambda: None)
+        m.setattr(draw, "native_rows", lambda x: False)
         return categorical(probs, u)
 
 
@@ -87,7 +87,7 @@ def test_softmax_draw_matches_the_softmax_then_the_draw(monkeypatch):
     u = torch.rand(64, dtype=torch.float64, generator=gen)
     fused = draw.softmax_categorical(x, temps, u)
     with monkeypatch.context() as m:
-        m.setattr(draw, "cpu_kernels", lambda: None)
+        m.setattr(draw, "native_rows", lambda x: False)
         reference = draw.softmax_categorical(x, temps, u)
     assert (fused == reference).sum() >= 63 and fused[5] < 100
     assert torch.isfinite(x).sum() == 63 * 49_152 + 100  # x untouched
@@ -113,6 +113,6 @@ def test_softmax_draw_rows_without_a_maximum_fall_back(monkeypatch):
     u = torch.full((4,), 0.5, dtype=torch.float64)
     got = draw.softmax_categorical(x, [1.0] * 4, u)
     with monkeypatch.context() as m:
-        m.setattr(draw, "cpu_kernels", lambda: None)
+        m.setattr(draw, "native_rows", lambda x: False)
         assert got.tolist() == draw.softmax_categorical(x, [1.0] * 4, u).tolist()
     assert got[0] == 25 and ((got >= 0) & (got < 50)).all()

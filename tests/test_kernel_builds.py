@@ -66,8 +66,7 @@ def _build_info(env: dict[str, str]) -> dict:
 
 
 def _host_has(flag: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        return flag in next((ln for ln in f if ln.startswith("flags")), "").split()
+    return flag in build.cpu_flags()
 
 
 @needs_compiler

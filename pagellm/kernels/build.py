@@ -220,10 +220,11 @@ def _load() -> tuple[ctypes.CDLL, dict] | None:
     cxx = _compiler()
     if cxx is None:
         return None
-    level = isa_level()
-    if level != "native" and not os.environ.get("PAGELLM_CPU_ARCH"):
+    march, level = os.environ.get("PAGELLM_CPU_ARCH"), isa_level()
+    if not march and level != "native":
         check_isa_level(level, cpu_flags())
-    march = os.environ.get("PAGELLM_CPU_ARCH") or (ISA_LEVELS[level].march if level != "native" else "native")
+        march = ISA_LEVELS[level].march
+    march = march or "native"
     try:
         path, isa = _build(cxx, march)
         lib = ctypes.CDLL(str(path))

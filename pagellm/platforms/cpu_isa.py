@@ -7,7 +7,7 @@ import logging
 import os
 import platform as _platform
 
-from pagellm.kernels.build import ISA_LEVELS, check_isa_level, isa_level
+from pagellm.kernels.build import ISA_LEVELS, check_isa_level, cpu_flags, isa_level
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx51
 
 def probe() -> tuple[str, str, list[str]]:
     """(model name, PAGELLM_CPU_ISA level, the ISA_FLAGS the platform may use, in order)."""
-    model, flags = _cpuinfo()
+    model, flags = _cpu_model(), cpu_flags()
     level = isa_level()
     if level != "native":
         flags = _capped_flags(level, flags)
@@ -46,9 +46,9 @@ def _capped_flags(level: str, flags: set[str]) -> set[str]:
     return flags & set(cap.kept)
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """(model name with family/model numbers, flags) of the first CPU in /proc/cpuinfo. Virtual machines
-    often report a bare "AMD EPYC": the family number tells Zen 3 (25) from Zen 5 (26)."""
+def _cpu_model() -> str:
+    """The first CPU's model name with its family/model numbers. Virtual machines often report a bare "AMD EPYC":
+    the family number tells Zen 3 (25) from Zen 5 (26)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -62,4 +62,4 @@ def _cpuinfo() -> tuple[str, set[str]]:
     model = fields.get("model name") or _platform.processor() or "unknown"
     if "cpu family" in fields:
         model += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
-    return model, set((fields.get("flags") or fields.get("Features") or "").split())
+    return model

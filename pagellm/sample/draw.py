@@ -1,7 +1,7 @@
 """Categorical draws: one uniform per row, then the inverse CDF (the first token whose running sum of probabilities
 passes it). An exact draw like the exponential race (argmax of p / Exp(1) noise) it replaces, which needs a noise
-value and a logarithm per token: torch's `exponential_` took 32-53 ms per step for 64 rows of 49,152 tokens on the
-Xeon VM, the inverse CDF ~1 ms natively (benchmarks/NOTES.md, thirtieth session). A seeded row draws its uniform
+value and a logarithm per token: for 64 rows of 49,152 tokens on the Xeon VM the race took 62 ms, the native inverse
+CDF 0.35 ms (benchmarks/microbench_sampling.py; NOTES, thirtieth session). A seeded row draws its uniform
 from its own generator, so its token does not depend on batch size, row index or neighbours."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.kernels import ops
-from pagellm.kernels.build import cpu_kernels
+from pagellm.sample.logprobs import native_rows
 
 
 def uniforms(generators: list[torch.Generator | None], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -31,8 +31,7 @@ def categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """[rows] int64 token ids on probs' device, drawn from each row of probs ([rows, n], not necessarily
     normalized) with u ([rows] uniforms in [0, 1)). Only a token with probability > 0 is drawn; a row without any
     (all masked, NaN) gets some index, which the sampler's mask check then refuses."""
-    if (probs.dtype == torch.float32 and probs.device.type == "cpu" and probs.stride(-1) == 1 and probs.shape[1]
-            and cpu_kernels() is not None):
+    if native_rows(probs):
         drawn = ops.sample_rows(probs, u.contiguous())
         if drawn is not None:
             return drawn
@@ -47,9 +46,9 @@ def categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def softmax_categorical(x: torch.Tensor, temperatures: list[float], u: torch.Tensor) -> torch.Tensor:
     """categorical(softmax(x / T)) per row, x left untouched: on the CPU in one native call that never builds the
-    probabilities (64 x 49,152 logits: torch's copy, division and softmax ~2 ms, this ~0.6 ms)."""
-    if (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1 and x.shape[1]
-            and cpu_kernels() is not None):
+    probabilities (64 x 49,152 logits: torch's copy, division and softmax 1.8-8.2 ms in four runs, this 0.9 ms;
+    benchmarks/microbench_sampling.py)."""
+    if native_rows(x):
         inv = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
         drawn = ops.softmax_draw(x, inv, u.contiguous())
         if drawn is not None:
