@@ -70,6 +70,7 @@ class Linear(nn.Module):
             self.in_features, self.reduce = b - a, reduce
         if self.amx_blocks is not None or self.int8_tiles is not None:  # the tile orders of the cut blocks
             self.quant_method.pack_tile_orders(self)
+        self.quant_method.prepack_bf16(self)  # the cut bf16 copy in oneDNN's layout again
 
     def drop_weights(self) -> None:
         """Another pipeline stage computes with this layer: free every copy."""
