@@ -1,7 +1,8 @@
 """The sampling defaults a model ships in its generation_config.json, for requests that leave them out: vLLM's
 `--generation-config auto` (its default). "vllm" keeps the OpenAI defaults (temperature 1, top_p 1, no top_k,
 min_p 0, repetition_penalty 1); a directory reads its generation_config.json instead of the model's. A GGUF file
-has no such file: its defaults are the OpenAI ones."""
+has no such file: its defaults are the OpenAI ones. Read by `pagellm serve --generation-config` and by
+`LLM(generation_config=...)` (generate / chat without sampling params), as vLLM's server and LLM."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pagellm.server import generation_defaults
+from pagellm import generation_config as generation_defaults
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.server.protocol_responses import ResponsesRequest
 
@@ -83,3 +83,35 @@ def test_a_server_samples_at_the_models_defaults(tiny_hf_model, smollm_gguf_path
     proc = subprocess.run([sys.executable, "-m", "pagellm.cli", "serve", *common, "--generation-config",
                            str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--generation-config" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_llm_without_sampling_params_takes_the_models_defaults(tiny_hf_model, smollm_gguf_path, tmp_path):
+    """vLLM's LLM.get_default_sampling_params: generate and chat given no params sample at the generation
+    config's values (temperature 0 here: the explicit greedy text every time); "vllm" keeps SamplingParams()'s;
+    explicit params are used as they are; a missing directory is one line before anything loads."""
+    from pagellm import LLM, SamplingParams
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_hf_model("llama", vocab_size=49152, max_position_embeddings=512), model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "top_k": 7}))
+    common = {"tokenizer": smollm_gguf_path, "kv_cache_memory": "16MiB"}
+    llm = LLM(str(model), **common)
+    try:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 7, 1.0)
+        want = llm.generate("Hello", SamplingParams(temperature=0), use_tqdm=False)[0].outputs[0].token_ids
+        plain = [llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+        assert plain == [want] * 2 and want
+        chat = llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+        chat_greedy = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0), use_tqdm=False)
+        assert chat[0].outputs[0].token_ids == chat_greedy[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    openai_defaults = LLM(str(model), generation_config="vllm", **common)
+    try:
+        assert openai_defaults.get_default_sampling_params().temperature == 1.0
+    finally:
+        openai_defaults.shutdown()
+    with pytest.raises(ValueError, match="cannot read generation_config.json"):
+        LLM(str(model), generation_config=str(tmp_path / "nowhere"), **common)

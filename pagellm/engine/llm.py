@@ -9,6 +9,7 @@ import jinja2
 import torch
 from tqdm import tqdm
 
+from pagellm import generation_config as sampling_defaults
 from pagellm.chat_template import RESERVED_TEMPLATE_NAMES
 from pagellm.config import EngineArgs
 from pagellm.engine.embedding import embed
@@ -21,14 +22,31 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Every EngineArgs field is a keyword argument: LLM(kv_cache_memory="2GiB", max_num_seqs=32)."""
+    """Every EngineArgs field is a keyword argument: LLM(kv_cache_memory="2GiB", max_num_seqs=32).
+    generation_config: where generate/chat without sampling params take their defaults, as vLLM's LLM: "auto"
+    the model directory's generation_config.json, "vllm" SamplingParams()'s, or a directory's file."""
 
-    def __init__(self, model: str | None = None, **kwargs):
+    def __init__(self, model: str | None = None, generation_config: str = "auto", **kwargs):
         unknown = set(kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        if not isinstance(generation_config, str):
+            raise TypeError(f"generation_config must be 'auto', 'vllm' or a directory, got "
+                            f"{type(generation_config).__name__}")
+        if generation_config not in ("auto", "vllm"):
+            sampling_defaults.load(generation_config, None)  # an explicit directory: checked before the load
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
+        try:
+            self._sampling_defaults = sampling_defaults.load(generation_config, self.engine.model_path)
+        except ValueError:  # the model's own generation_config.json is unreadable: no workers left behind
+            self.engine.shutdown()
+            raise
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use when given no sampling params: the generation config's fields that differ
+        from the OpenAI defaults (vLLM's LLM.get_default_sampling_params), else SamplingParams()."""
+        return SamplingParams(**self._sampling_defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -43,7 +61,7 @@ class LLM:
                             f"{type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

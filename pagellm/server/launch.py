@@ -9,9 +9,8 @@ import logging
 import os
 import socket
 
-from pagellm import cli_types
+from pagellm import cli_types, generation_config
 from pagellm.config import EngineArgs, parse_bytes
-from pagellm.server import generation_defaults
 from pagellm.server.middleware import HttpOptions
 from pagellm.server.tool_parsers import TOOL_PARSERS
 
@@ -140,7 +139,7 @@ def serve(ns: argparse.Namespace) -> int:
     chat = ChatSettings(load_chat_template(ns.chat_template) if ns.chat_template else None,
                         ns.enable_auto_tool_choice, ns.tool_call_parser, ns.trust_request_chat_template)
     if ns.generation_config not in ("auto", "vllm"):  # an explicit directory: checked before the load
-        generation_defaults.load(ns.generation_config, None)
+        generation_config.load(ns.generation_config, None)
     args = EngineArgs.from_cli_args(ns)
     if args.node_rank > 0:  # a worker node of a multi-node deployment: no engine, no HTTP
         return run_headless((args.master_addr, args.master_port), args.nnodes, args.node_rank)
@@ -148,7 +147,7 @@ def serve(ns: argparse.Namespace) -> int:
     async_engine, shutdown = start_engine(args, ns.engine_process, ns.max_queue_len)
     try:
         names = ns.served_model_name or [default_model_name(ns.model, async_engine.info.model_path)]
-        sampling_defaults = generation_defaults.load(ns.generation_config, async_engine.info.model_path)
+        sampling_defaults = generation_config.load(ns.generation_config, async_engine.info.model_path)
         if sampling_defaults:  # vLLM says so too: a request without them does not sample at the OpenAI defaults
             logger.info("sampling defaults from generation_config.json for requests that leave them out: %s "
                         "(--generation-config vllm keeps the OpenAI defaults)", sampling_defaults)

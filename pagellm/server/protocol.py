@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagellm.generation_config import given as sampling_default
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.fields import Flag, Int, TokenId
-from pagellm.server.generation_defaults import given as sampling_default
 from pagellm.server.protocol_structured import StructuredOutputFields, attach
 
 
@@ -73,7 +73,7 @@ class _SamplingRequest(StructuredOutputFields, _Body):
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            beam_width: int | None = None, defaults: dict | None = None) -> SamplingParams:
-        """defaults: the server's sampling defaults for fields the request leaves out (generation_defaults)."""
+        """defaults: the server's sampling defaults for fields the request leaves out (pagellm/generation_config.py)."""
         if self.use_beam_search:
             return self._beam_search_params(max_tokens, logprobs, beam_width)
         bias = None

@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagellm.generation_config import given as sampling_default
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagellm.server.fields import Flag, Int
-from pagellm.server.generation_defaults import given as sampling_default
 from pagellm.server.protocol_structured import attach
 
 
@@ -178,7 +178,7 @@ class ResponsesRequest(_Body):
         return StructuredOutputsParams(json=fmt.schema_)
 
     def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
-        """defaults: the server's sampling defaults for fields the request leaves out (generation_defaults)."""
+        """defaults: the server's sampling defaults for fields the request leaves out (pagellm/generation_config.py)."""
         d = defaults or {}
         try:
             params = SamplingParams(
