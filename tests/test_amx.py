@@ -38,6 +38,13 @@ def random_q8_0(n: int, k: int, seed: int = 0) -> PackedWeight:
 RANDOM = {"q4_1": random_q4_1, "q8_0": random_q8_0}
 
 
+@pytest.fixture(autouse=True)
+def platform_default(monkeypatch):
+    """These tests state what the platform picks by default (and switch the products off themselves): a
+    PAGELLM_CPU_AMX=0 in the caller's environment would make them fail on what it asked for."""
+    monkeypatch.delenv("PAGELLM_CPU_AMX", raising=False)
+
+
 def bf16_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """The oneDNN path's operands in float64: x and the loader's weights rounded to bf16."""
     return x.to(torch.bfloat16).double() @ w.dequantize().to(torch.bfloat16).double().t()
