@@ -3,12 +3,12 @@
 // step of AMX_STEP = 64 keys:
 //   S = Q K^T   four C tiles (16 rows x 16 keys each), D / 32 products apiece: A = 32 dimensions of the 16
 //               bf16 query rows, B = 16 dimension pairs of 16 keys, which is the packed K layout as it is;
-//   softmax     on S read back from the tiles: masks (only on the diagonal's steps), the rows' new maxima, their
-//               rescale factors in one vector exp, exponentials and sums; probabilities rounded to bf16 as rows
-//               of 64 keys: the two A tiles of the next product;
+//   softmax     on S read back from the tiles: masks (only on the diagonal's steps), the rows' maxima (moved
+//               lazily: LAZY_MAX), their rescale factors in one vector exp where one moved, exponentials and sums;
+//               probabilities rounded to bf16 as rows of 64 keys: the two A tiles of the next product;
 //   O += P V    one C tile per 16 output dimensions, B = 16 key pairs x 16 dimensions of the packed V (row stride
-//               D words); the step's part is stored and added to the running output after its rescale (tiles
-//               cannot be rescaled in place).
+//               D words); added to the running output on the tiles, or, in a step that rescales a row, stored
+//               and added after the rescale (tiles cannot be rescaled in place).
 // The vdpbf16ps item spends ~1,000 instructions per row and step on the two products; here they are tile
 // products, and the softmax is what is left.
 #pragma once
@@ -27,21 +27,22 @@ constexpr int AMX_STEP = 64;  // keys per step: four S tiles
 static_assert(PACK_KEYS % AMX_STEP == 0, "a step may read keys up to its end: the packing pads that far");
 
 // The step's P (tiles 2 and 5: keys 0-31, 32-63) times its V for output dimension tiles j0.. (up to 4; C tiles
-// 0, 1, 6, 7), stored into part (16 rows of 256 floats). vs: the step's first key pair in the packed V (D words
-// per key pair).
-inline void pv_tiles(const uint32_t* vs, int D, int j0, int nj, float* part) {
-    const int64_t stride = (int64_t)D * 4, part_stride = 256 * 4, half = 16 * (int64_t)D;  // 16 key pairs on
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(6);
-    _tile_zero(7);
+// 0, 1, 6, 7), into dst (16 rows of 256 floats): stored there (the step's part), or, with accumulate, added to
+// what dst holds (the running output, when no row's max moved). vs: the step's first key pair in the packed V
+// (D words per key pair).
+inline void pv_tiles(const uint32_t* vs, int D, int j0, int nj, float* dst, bool accumulate) {
+    const int64_t stride = (int64_t)D * 4, dst_stride = 256 * 4, half = 16 * (int64_t)D;  // 16 key pairs on
 #define PAGELLM_PV(C, j)                                  \
     do {                                                  \
+        if (accumulate)                                   \
+            _tile_loadd(C, dst + 16 * (j), dst_stride);   \
+        else                                              \
+            _tile_zero(C);                                \
         _tile_loadd(3, vs + 16 * (j), stride);            \
         _tile_loadd(4, vs + half + 16 * (j), stride);     \
         _tile_dpbf16ps(C, 2, 3);                          \
         _tile_dpbf16ps(C, 5, 4);                          \
-        _tile_stored(C, part + 16 * (j), part_stride);    \
+        _tile_stored(C, dst + 16 * (j), dst_stride);      \
     } while (0)
     PAGELLM_PV(0, j0);
     if (nj > 1) PAGELLM_PV(1, j0 + 1);
@@ -49,6 +50,11 @@ inline void pv_tiles(const uint32_t* vs, int D, int j0, int nj, float* part) {
     if (nj > 3) PAGELLM_PV(7, j0 + 3);
 #undef PAGELLM_PV
 }
+
+// A row's reference max moves only when a step's score passes it by more than this (FlashAttention-4's lazy
+// rescaling): exponentials stay below e^8 (~3,000, far inside float32 and bf16), and most steps then rescale no
+// row, so their P V adds into the output on the tiles instead of a stored part added row by row.
+constexpr float LAZY_MAX = 8.0f;
 
 // One work item on tiles: query head `head`, rows r0..r0+n-1 (n <= 16) at positions first_pos + r. The caller
 // configured this thread's tiles.
@@ -95,9 +101,10 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
         _tile_stored(1, s[0] + 16, sizeof(s[0]));
         _tile_stored(6, s[0] + 32, sizeof(s[0]));
         _tile_stored(7, s[0] + 48, sizeof(s[0]));
-        // Masked, scaled scores back into s and each row's new running max; then every row's rescale factor in
-        // one vector exp (a row's first step has m = -inf: a factor of ~0 on its zero output and sum); then the
-        // probabilities. A step whose keys every row sees (all but the diagonal's) skips the masks.
+        // Each row's step max (masked keys -inf, only on the diagonal's steps; raw scores, scaled by the FMA that
+        // subtracts the max), its reference max moved only past LAZY_MAX, and if any row's moved every row's
+        // rescale factor in one vector exp (a row's first step has m = -inf: a factor of ~0 on its zero output and
+        // sum); then the probabilities.
         const bool whole = key0 + AMX_STEP - 1 <= first_pos + r0;
         const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
         alignas(64) float m_new[TILE_ROWS];
@@ -106,45 +113,49 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
             const __m512i limit = _mm512_set1_epi32((int)(first_pos + r0 + r - key0));
             __m512 x[4];
             for (int t = 0; t < 4; ++t) {
-                const __m512 raw = _mm512_load_ps(s[r] + 16 * t);
-                x[t] = whole ? _mm512_mul_ps(raw, sc)
-                             : _mm512_mask_mul_ps(ninf, _mm512_cmple_epi32_mask(
-                                                            _mm512_add_epi32(iota, _mm512_set1_epi32(16 * t)), limit),
-                                                  raw, sc);
-                _mm512_store_ps(s[r] + 16 * t, x[t]);
+                x[t] = _mm512_load_ps(s[r] + 16 * t);
+                if (!whole) {
+                    x[t] = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(
+                                                          _mm512_add_epi32(iota, _mm512_set1_epi32(16 * t)), limit),
+                                              x[t]);
+                    _mm512_store_ps(s[r] + 16 * t, x[t]);
+                }
             }
-            const __m512 top = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
-            m_new[r] = std::max(m[r], _mm512_reduce_max_ps(top));  // finite: row r sees key 0 from the first step
+            // scale > 0: the max of the scaled scores is the scaled max (-inf where the row sees none of them)
+            const float top =
+                _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]))) * scale;
+            m_new[r] = top > m[r] + LAZY_MAX ? top : m[r];  // m = -inf before the first step: that step's max
         }
         const __m512 mv = _mm512_load_ps(m_new);
-        _mm512_store_ps(alpha, exp16_bf16(_mm512_sub_ps(_mm512_load_ps(m), mv)));
-        const bool rescale = _mm512_cmpneq_ps_mask(_mm512_load_ps(alpha), _mm512_set1_ps(1.f)) != 0;
-        _mm512_store_ps(m, mv);
+        const bool rescale = _mm512_cmpneq_ps_mask(_mm512_load_ps(m), mv) != 0;
+        if (rescale) {
+            _mm512_store_ps(alpha, exp16_bf16(_mm512_sub_ps(_mm512_load_ps(m), mv)));
+            _mm512_store_ps(m, mv);
+        }
         for (int r = 0; r < TILE_ROWS; ++r) {
             const __m512 mx = _mm512_set1_ps(m[r]);
             __m512 x[4], sum = _mm512_setzero_ps();
             for (int t = 0; t < 4; ++t) {
-                x[t] = exp16_bf16(_mm512_sub_ps(_mm512_load_ps(s[r] + 16 * t), mx));
-                if (!whole) {  // exactly 0 for the masked keys (exp16 clamps: -inf would give ~1e-38)
-                    const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_load_ps(s[r] + 16 * t), ninf, _CMP_NEQ_OQ);
-                    x[t] = _mm512_maskz_mov_ps(seen, x[t]);
-                }
+                const __m512 raw = _mm512_load_ps(s[r] + 16 * t);
+                x[t] = exp16_bf16(_mm512_fmsub_ps(raw, sc, mx));
+                if (!whole)  // exactly 0 for the masked keys (exp16 clamps: -inf would give ~1e-38)
+                    x[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, ninf, _CMP_NEQ_OQ), x[t]);
                 sum = _mm512_add_ps(sum, x[t]);
             }
-            l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), sum);
+            l[r] = rescale ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), sum) : _mm512_add_ps(l[r], sum);
             _mm512_store_si512(pb[r], as_si(_mm512_cvtne2ps_pbh(x[1], x[0])));  // keys 0-15, then 16-31
             _mm512_store_si512(pb[r] + 32, as_si(_mm512_cvtne2ps_pbh(x[3], x[2])));
         }
         _tile_loadd(2, pb[0], sizeof(pb[0]));
         _tile_loadd(5, pb[0] + 32, sizeof(pb[0]));
         const uint32_t* vs = vh + key0 / 2 * D;
-        for (int j0 = 0; j0 < D / 16; j0 += 4) pv_tiles(vs, D, j0, std::min(4, D / 16 - j0), part[0]);
+        for (int j0 = 0; j0 < D / 16; j0 += 4)
+            pv_tiles(vs, D, j0, std::min(4, D / 16 - j0), rescale ? part[0] : o[0], !rescale);
+        if (!rescale) continue;  // P V went into o on the tiles
         for (int r = 0; r < TILE_ROWS; ++r) {
             const __m512 al = _mm512_set1_ps(alpha[r]);
-            for (int d = 0; d < D; d += 16) {
-                const __m512 prev = _mm512_load_ps(o[r] + d), add = _mm512_load_ps(part[r] + d);
-                _mm512_store_ps(o[r] + d, rescale ? _mm512_fmadd_ps(prev, al, add) : _mm512_add_ps(prev, add));
-            }
+            for (int d = 0; d < D; d += 16)
+                _mm512_store_ps(o[r] + d, _mm512_fmadd_ps(_mm512_load_ps(o[r] + d), al, _mm512_load_ps(part[r] + d)));
         }
     }
     write_rows(o, l, n, out, ldo, r0, head, D);
