@@ -217,6 +217,9 @@ def test_url_or_peer():
         main_raising(["bench", "serve", "--peer", "pagellm", "--url", "http://127.0.0.1:1"])
     with pytest.raises(ValueError, match="--serve-args '--no-such-option': not options of pagellm serve"):
         main_raising(["bench", "serve", "--peer", "pagellm", "--serve-args=--no-such-option"])
+    # a rate that spreads the requests over more than a day would wait (decades at 1e-9) instead of running
+    with pytest.raises(ValueError, match="more than a day: give at least"):
+        main_raising(["bench", "serve", "--url", "http://127.0.0.1:1", "--request-rate", "1e-9"])
 
 
 @pytest.mark.timeout(60)

@@ -33,6 +33,8 @@ LATENCY_KEYS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (90, 99)  # mean and median are always reported, as in vLLM
 LOW_TOKEN_ID = 100  # random prompts avoid the low ids, where tokenizers keep their special tokens
 
+MAX_SEND_WINDOW_S = 86400.0  # --request-rate x --num-prompts may spread the arrivals over at most a day
+
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None,
@@ -411,6 +413,12 @@ def run_serve_bench(ns: argparse.Namespace) -> int:
     kind, path = parse_dataset(ns.dataset)
     if ns.num_prompts < 1 or ns.request_rate <= 0 or ns.burstiness <= 0 or (ns.max_concurrency or 1) < 1:
         raise ValueError("--num-prompts, --request-rate, --burstiness and --max-concurrency must be positive")
+    window = (ns.num_prompts - 1) / ns.request_rate  # the arrivals' mean span
+    if window > MAX_SEND_WINDOW_S:  # a rate of 1e-9 would wait decades between two requests: a hang, not a run
+        least = (ns.num_prompts - 1) / MAX_SEND_WINDOW_S
+        raise ValueError(f"--request-rate {ns.request_rate:g} spreads {ns.num_prompts} requests over about "
+                         f"{window:.3g} s, more than a day: give at least {least:.3g} requests/s, or fewer "
+                         f"--num-prompts")
     if not ns.url and not ns.peer:
         raise ValueError("bench serve needs --url (a running server) or --peer pagellm|vllm (start them here)")
     check_outputs(ns.json, ns.plot)  # before the run, not after it
