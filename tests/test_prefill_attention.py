@@ -82,6 +82,54 @@ def test_strided_query_rows_and_head_dim_128(tiles):
     assert (out - ref).abs().max() < MAX_ABS_TOL
 
 
+def _growing_keys(seq_len: int, head_dim: int, growth: float, seed: int = 0):
+    """A float32 cache (blocks in order) whose keys grow along the sequence, so every row's max keeps moving (the
+    AMX items' lazy rescaling), q of std 4, and the float64 reference over the bf16-rounded q, k and v: what is
+    left is the kernel's own error (probabilities in bf16, float32 sums)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-seq_len // 16)
+    cache = torch.randn(2, blocks, 16, 2, head_dim, generator=g)
+    cache[0] *= (1 + growth * torch.arange(blocks * 16, dtype=torch.float32)).view(blocks, 16, 1, 1)
+    q = torch.randn(64, 4, head_dim, generator=g) * 4
+    k, v = (cache[i].reshape(-1, 2, head_dim)[:seq_len].to(torch.bfloat16).double() for i in (0, 1))
+    s = torch.einsum("qhd,khd->hqk", q.to(torch.bfloat16).double(), k.repeat_interleave(2, dim=1)) * head_dim ** -0.5
+    s[:, torch.arange(seq_len)[None] > torch.arange(seq_len - 64, seq_len)[:, None]] = float("-inf")
+    ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v.repeat_interleave(2, dim=1))
+    return q, cache, torch.arange(blocks, dtype=torch.int64), ref
+
+
+@needs_kernel
+@pytest.mark.parametrize("tiles", [False, True])
+def test_peaked_rows_whose_max_keeps_moving_stay_at_the_bf16_error(tiles):
+    """Measured max |error| ~1.1-1.4e-3 on both item kinds (outputs of magnitude ~4); a sum of exponentials that
+    did not add the bf16 probabilities P V multiplies (with the AMX items' lazy max the top key's weight is not
+    exactly 1) gave 7.5e-3 there."""
+    q, cache, table, ref = _growing_keys(4096, 128, 0.05)
+    out = ops.prefill_attention_bf16(q, cache, table, 4096, 128 ** -0.5, tiles=tiles)
+    assert (out.double() - ref).abs().max() < 4e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("tiles", [False, True])
+def test_a_rows_bits_do_not_depend_on_the_rows_in_its_item(tiles):
+    """A cached prefix of 7 rows regroups the rows into other 16-row (AMX) or 8-row items: every row gets the same
+    bits (an item-wide choice, such as whether a step rescales, would part them)."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 38, 16, 2, 64, generator=g).half()
+    cache[0] *= (1 + 0.01 * torch.arange(38 * 16)).view(38, 16, 1, 1).half()
+    table, q = torch.arange(38, dtype=torch.int64), torch.randn(600, 4, 64, generator=g) * 2
+    whole = ops.prefill_attention_bf16(q, cache, table, 600, 0.125, tiles=tiles)
+    assert torch.equal(whole[7:], ops.prefill_attention_bf16(q[7:], cache, table, 600, 0.125, tiles=tiles))
+
+
+@needs_kernel
+def test_declines_a_scale_that_is_not_positive():
+    """The AMX items take max(raw scores) * scale for the max of the scaled scores: scale <= 0 goes elsewhere."""
+    q, cache, table, _ = _paged(20, 20, torch.float16)
+    for scale in (-0.125, 0.0, float("nan")):
+        assert ops.prefill_attention_bf16(q, cache, table, 20, scale) is None
+
+
 @needs_tiles
 @pytest.mark.parametrize("nq,seq_len,head_dim", [(33, 77, 256), (16, 64, 64), (65, 130, 64), (5, 200, 128)])
 def test_tiles_are_their_own_products_within_the_same_bounds(nq, seq_len, head_dim):

@@ -361,7 +361,8 @@ extern "C" int pagellm_prefill_attention_bf16_batch(const float* q, int64_t ldq,
                                                     int R, const int64_t* tables, int64_t table_stride, float scale,
                                                     float* out, int64_t ldo, int nthreads, int kv_format, int tiles) {
 #ifdef PAGELLM_BF16_ATTENTION
-    if (D % 64 || D > 256 || H % KV || R < 1) return -1;
+    // scale > 0: the AMX items take a row's max of the raw scores times scale for the max of the scaled ones
+    if (D % 64 || D > 256 || H % KV || R < 1 || !(scale > 0.f)) return -1;
     const Chunk* c = reinterpret_cast<const Chunk*>(chunks);
     for (int r = 0; r < R; ++r)
         if (c[r].nq < 1 || c[r].nq > c[r].seq_len) return -1;
@@ -386,7 +387,8 @@ extern "C" int pagellm_prefill_attention_bf16_batch(const float* q, int64_t ldq,
 // out: [nq, H, D] (row stride ldo). kv: the paged cache [2, num_blocks, block_size, KV, D] (kv_format
 // float32, float16 or int8: rows of D + 2), table: the request's block ids. Returns 0, or -1 where this build
 // has no bf16 kernel or the shape or format is not one it takes (D a multiple of 64 up to 256, H % KV,
-// float32/float16/int8). tiles: run the work items on AMX tiles where this build and the OS have them (prefill_attention_amx.h).
+// float32/float16/int8, scale > 0). tiles: run the work items on AMX tiles where this build and the OS have them
+// (prefill_attention_amx.h).
 extern "C" int pagellm_prefill_attention_bf16(const float* q, int64_t ldq, int nq, int H, int D, const void* kv,
                                               int64_t num_blocks, int block_size, int KV, const int64_t* table,
                                               int64_t seq_len, float scale, float* out, int64_t ldo, int nthreads,

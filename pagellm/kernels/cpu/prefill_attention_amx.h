@@ -7,8 +7,8 @@
 //               lazily: LAZY_MAX), their rescale factors in one vector exp where one moved, exponentials and sums;
 //               probabilities rounded to bf16 as rows of 64 keys: the two A tiles of the next product;
 //   O += P V    one C tile per 16 output dimensions, B = 16 key pairs x 16 dimensions of the packed V (row stride
-//               D words); added to the running output on the tiles, or, in a step that rescales a row, stored
-//               and added after the rescale (tiles cannot be rescaled in place).
+//               D words), added to the running output on the tiles (rows whose max moved rescaled in memory
+//               first: every row's arithmetic is its own, whatever the other rows of its item do).
 // The vdpbf16ps item spends ~1,000 instructions per row and step on the two products; here they are tile
 // products, and the softmax is what is left.
 #pragma once
@@ -27,22 +27,18 @@ constexpr int AMX_STEP = 64;  // keys per step: four S tiles
 static_assert(PACK_KEYS % AMX_STEP == 0, "a step may read keys up to its end: the packing pads that far");
 
 // The step's P (tiles 2 and 5: keys 0-31, 32-63) times its V for output dimension tiles j0.. (up to 4; C tiles
-// 0, 1, 6, 7), into dst (16 rows of 256 floats): stored there (the step's part), or, with accumulate, added to
-// what dst holds (the running output, when no row's max moved). vs: the step's first key pair in the packed V
-// (D words per key pair).
-inline void pv_tiles(const uint32_t* vs, int D, int j0, int nj, float* dst, bool accumulate) {
-    const int64_t stride = (int64_t)D * 4, dst_stride = 256 * 4, half = 16 * (int64_t)D;  // 16 key pairs on
+// 0, 1, 6, 7), added on the tiles to the running output o (16 rows of 256 floats). vs: the step's first key pair
+// in the packed V (D words per key pair).
+inline void pv_tiles(const uint32_t* vs, int D, int j0, int nj, float* o) {
+    const int64_t stride = (int64_t)D * 4, o_stride = 256 * 4, half = 16 * (int64_t)D;  // 16 key pairs on
 #define PAGELLM_PV(C, j)                                  \
     do {                                                  \
-        if (accumulate)                                   \
-            _tile_loadd(C, dst + 16 * (j), dst_stride);   \
-        else                                              \
-            _tile_zero(C);                                \
+        _tile_loadd(C, o + 16 * (j), o_stride);           \
         _tile_loadd(3, vs + 16 * (j), stride);            \
         _tile_loadd(4, vs + half + 16 * (j), stride);     \
         _tile_dpbf16ps(C, 2, 3);                          \
         _tile_dpbf16ps(C, 5, 4);                          \
-        _tile_stored(C, dst + 16 * (j), dst_stride);      \
+        _tile_stored(C, o + 16 * (j), o_stride);          \
     } while (0)
     PAGELLM_PV(0, j0);
     if (nj > 1) PAGELLM_PV(1, j0 + 1);
@@ -52,8 +48,9 @@ inline void pv_tiles(const uint32_t* vs, int D, int j0, int nj, float* dst, bool
 }
 
 // A row's reference max moves only when a step's score passes it by more than this (FlashAttention-4's lazy
-// rescaling): exponentials stay below e^8 (~3,000, far inside float32 and bf16), and most steps then rescale no
-// row, so their P V adds into the output on the tiles instead of a stored part added row by row.
+// rescaling): exponentials stay below e^8 (~3,000, far inside float32 and bf16), and most steps rescale no row.
+// A row's sum of exponentials adds the bf16 values its P V multiplies (its top key's weight is no longer exactly
+// 1: an unrounded sum left peaked rows off by up to bf16's 2^-9).
 constexpr float LAZY_MAX = 8.0f;
 
 // One work item on tiles: query head `head`, rows r0..r0+n-1 (n <= 16) at positions first_pos + r. The caller
@@ -64,7 +61,7 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
     alignas(64) uint16_t qb[TILE_ROWS][256];     // bf16 query rows (zero past n), D <= 256
     alignas(64) float s[TILE_ROWS][AMX_STEP];    // a step's scores
     alignas(64) uint16_t pb[TILE_ROWS][AMX_STEP];  // a step's probabilities in bf16
-    alignas(64) float o[TILE_ROWS][256], part[TILE_ROWS][256];
+    alignas(64) float o[TILE_ROWS][256];
     alignas(64) float m[TILE_ROWS], alpha[TILE_ROWS];
     __m512 l[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; ++r) {
@@ -127,36 +124,42 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
             m_new[r] = top > m[r] + LAZY_MAX ? top : m[r];  // m = -inf before the first step: that step's max
         }
         const __m512 mv = _mm512_load_ps(m_new);
-        const bool rescale = _mm512_cmpneq_ps_mask(_mm512_load_ps(m), mv) != 0;
-        if (rescale) {
+        const __mmask16 moved = _mm512_cmpneq_ps_mask(_mm512_load_ps(m), mv);
+        if (moved) {  // those rows' output and sum rescaled in place (every other row's factor would be 1)
             _mm512_store_ps(alpha, exp16_bf16(_mm512_sub_ps(_mm512_load_ps(m), mv)));
             _mm512_store_ps(m, mv);
+            for (int r = 0; r < TILE_ROWS; ++r) {
+                if (!(moved >> r & 1)) continue;
+                const __m512 al = _mm512_set1_ps(alpha[r]);
+                l[r] = _mm512_mul_ps(l[r], al);
+                for (int d = 0; d < D; d += 16) _mm512_store_ps(o[r] + d, _mm512_mul_ps(_mm512_load_ps(o[r] + d), al));
+            }
         }
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
         for (int r = 0; r < TILE_ROWS; ++r) {
             const __m512 mx = _mm512_set1_ps(m[r]);
-            __m512 x[4], sum = _mm512_setzero_ps();
+            __m512 x[4];
             for (int t = 0; t < 4; ++t) {
                 const __m512 raw = _mm512_load_ps(s[r] + 16 * t);
                 x[t] = exp16_bf16(_mm512_fmsub_ps(raw, sc, mx));
                 if (!whole)  // exactly 0 for the masked keys (exp16 clamps: -inf would give ~1e-38)
                     x[t] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(raw, ninf, _CMP_NEQ_OQ), x[t]);
-                sum = _mm512_add_ps(sum, x[t]);
             }
-            l[r] = rescale ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(alpha[r]), sum) : _mm512_add_ps(l[r], sum);
-            _mm512_store_si512(pb[r], as_si(_mm512_cvtne2ps_pbh(x[1], x[0])));  // keys 0-15, then 16-31
-            _mm512_store_si512(pb[r] + 32, as_si(_mm512_cvtne2ps_pbh(x[3], x[2])));
+            const __m512i p0 = as_si(_mm512_cvtne2ps_pbh(x[1], x[0])), p1 = as_si(_mm512_cvtne2ps_pbh(x[3], x[2]));
+            _mm512_store_si512(pb[r], p0);  // keys 0-15, then 16-31
+            _mm512_store_si512(pb[r] + 32, p1);
+            // the sum of the bf16 probabilities: each 32-bit lane's two halves widened back to float32
+            const __m512 sum = _mm512_add_ps(
+                _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p0, 16)),
+                              _mm512_castsi512_ps(_mm512_and_si512(p0, high))),
+                _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p1, 16)),
+                              _mm512_castsi512_ps(_mm512_and_si512(p1, high))));
+            l[r] = _mm512_add_ps(l[r], sum);
         }
         _tile_loadd(2, pb[0], sizeof(pb[0]));
         _tile_loadd(5, pb[0] + 32, sizeof(pb[0]));
         const uint32_t* vs = vh + key0 / 2 * D;
-        for (int j0 = 0; j0 < D / 16; j0 += 4)
-            pv_tiles(vs, D, j0, std::min(4, D / 16 - j0), rescale ? part[0] : o[0], !rescale);
-        if (!rescale) continue;  // P V went into o on the tiles
-        for (int r = 0; r < TILE_ROWS; ++r) {
-            const __m512 al = _mm512_set1_ps(alpha[r]);
-            for (int d = 0; d < D; d += 16)
-                _mm512_store_ps(o[r] + d, _mm512_fmadd_ps(_mm512_load_ps(o[r] + d), al, _mm512_load_ps(part[r] + d)));
-        }
+        for (int j0 = 0; j0 < D / 16; j0 += 4) pv_tiles(vs, D, j0, std::min(4, D / 16 - j0), o[0]);
     }
     write_rows(o, l, n, out, ldo, r0, head, D);
 }
