@@ -33,12 +33,13 @@ class LLM:
         if not isinstance(generation_config, str):
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a directory, got "
                             f"{type(generation_config).__name__}")
-        if generation_config not in ("auto", "vllm"):
-            sampling_defaults.load(generation_config, None)  # an explicit directory: checked before the load
+        # "vllm" or an explicit directory: read (and checked) before the model loads; "auto" needs its path
+        defaults = None if generation_config == "auto" else sampling_defaults.load(generation_config, None)
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
         try:
-            self._sampling_defaults = sampling_defaults.load(generation_config, self.engine.model_path)
+            self._sampling_defaults = defaults if defaults is not None else \
+                sampling_defaults.load("auto", self.engine.model_path)
         except ValueError:  # the model's own generation_config.json is unreadable: no workers left behind
             self.engine.shutdown()
             raise

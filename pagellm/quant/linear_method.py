@@ -114,8 +114,7 @@ class LinearMethod:
         if self.choices.bf16_prepacked:
             # The same products bit for bit, without oneDNN reordering the weight at every call: 1.5-1.8x
             # at 8 rows, 1.25-1.3x at 64, 1.05-1.15x at 512 (benchmarks/microbench_bf16_gemm.py on the
-            # Zen 5 VM). Reordered at load (prepack_bf16); here only for a copy set some other way.
-            self.prepack_bf16(layer)
+            # Zen 5 VM). Reordered at load and after a tensor-parallel cut (prepack_bf16).
             y = torch.ops.mkldnn._linear_pointwise(xb, layer.weight_bf16, None, "none", [], "")
         else:
             y = torch.mm(xb, layer.weight_bf16.t())

@@ -138,8 +138,8 @@ def serve(ns: argparse.Namespace) -> int:
     # Flags checked before the model loads, so a typo fails in a second.
     chat = ChatSettings(load_chat_template(ns.chat_template) if ns.chat_template else None,
                         ns.enable_auto_tool_choice, ns.tool_call_parser, ns.trust_request_chat_template)
-    if ns.generation_config not in ("auto", "vllm"):  # an explicit directory: checked before the load
-        generation_config.load(ns.generation_config, None)
+    # "vllm" or an explicit directory: read (and checked) before the model loads; "auto" needs its path
+    sampling_defaults = None if ns.generation_config == "auto" else generation_config.load(ns.generation_config, None)
     args = EngineArgs.from_cli_args(ns)
     if args.node_rank > 0:  # a worker node of a multi-node deployment: no engine, no HTTP
         return run_headless((args.master_addr, args.master_port), args.nnodes, args.node_rank)
@@ -147,7 +147,8 @@ def serve(ns: argparse.Namespace) -> int:
     async_engine, shutdown = start_engine(args, ns.engine_process, ns.max_queue_len)
     try:
         names = ns.served_model_name or [default_model_name(ns.model, async_engine.info.model_path)]
-        sampling_defaults = generation_config.load(ns.generation_config, async_engine.info.model_path)
+        if sampling_defaults is None:
+            sampling_defaults = generation_config.load("auto", async_engine.info.model_path)
         if sampling_defaults:  # vLLM says so too: a request without them does not sample at the OpenAI defaults
             logger.info("sampling defaults from generation_config.json for requests that leave them out: %s "
                         "(--generation-config vllm keeps the OpenAI defaults)", sampling_defaults)

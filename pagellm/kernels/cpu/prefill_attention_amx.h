@@ -62,7 +62,7 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
     alignas(64) float s[TILE_ROWS][AMX_STEP];    // a step's scores
     alignas(64) uint16_t pb[TILE_ROWS][AMX_STEP];  // a step's probabilities in bf16
     alignas(64) float o[TILE_ROWS][256];
-    alignas(64) float m[TILE_ROWS], alpha[TILE_ROWS];
+    alignas(64) float m[TILE_ROWS];
     __m512 l[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; ++r) {
         const float* qr = q + (int64_t)(r0 + r) * ldq + (int64_t)head * D;
@@ -126,6 +126,7 @@ inline void attend_rows_amx(const float* q, int64_t ldq, float* out, int64_t ldo
         const __m512 mv = _mm512_load_ps(m_new);
         const __mmask16 moved = _mm512_cmpneq_ps_mask(_mm512_load_ps(m), mv);
         if (moved) {  // those rows' output and sum rescaled in place (every other row's factor would be 1)
+            alignas(64) float alpha[TILE_ROWS];
             _mm512_store_ps(alpha, exp16_bf16(_mm512_sub_ps(_mm512_load_ps(m), mv)));
             _mm512_store_ps(m, mv);
             for (int r = 0; r < TILE_ROWS; ++r) {
