@@ -66,8 +66,9 @@ def test_invocations_routes_by_body_shape(full, client):
     for body, param in bad:
         r = httpx.post(full.url + "/invocations", json=body, headers=AUTH)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    r = httpx.post(full.url + "/invocations", content=b"{not json", headers=AUTH)
-    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    for raw in (b"{not json", b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}"):  # past int()'s 4,300 digits
+        r = httpx.post(full.url + "/invocations", content=raw, headers=AUTH)
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
     # It generates like /v1 does, so it is behind the same key.
     assert httpx.post(full.url + "/invocations", json={"prompt": "x"}).status_code == 401
 
@@ -136,9 +137,17 @@ def test_request_id_header_echoed_or_generated(full, client):
     # Every response carries it, errors and non-API routes included.
     assert "x-request-id" in httpx.get(full.url + "/v1/models").headers  # a 401
     assert httpx.get(full.url + "/health", headers={"X-Request-Id": "h"}).headers["x-request-id"] == "h"
-    raw = client.with_raw_response.responses.create(model=MODEL, input="hi", max_output_tokens=2,
-                                                    extra_headers={"X-Request-Id": "r-9"})
-    assert raw.headers["x-request-id"] == "r-9" and raw.parse().id == "resp_r-9"
+    # A response's id is always fresh: it is stored and read back under it, so a reused (or guessed) header must
+    # neither replace another response nor reveal it.
+    made = []
+    for text in ("hi", "Name a colour."):
+        raw = client.with_raw_response.responses.create(model=MODEL, input=text, max_output_tokens=4,
+                                                        extra_headers={"X-Request-Id": "r-9"})
+        assert raw.headers["x-request-id"] == "r-9"
+        made.append(raw.parse())
+    assert made[0].id != made[1].id and all(r.id.startswith("resp_") and len(r.id) == 37 for r in made)
+    for r in made:
+        assert client.responses.retrieve(r.id).output_text == r.output_text
 
 
 def test_a_request_id_in_use_does_not_fail_a_second_request(full):

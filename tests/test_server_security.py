@@ -269,6 +269,10 @@ HOSTILE = {  # name: (path, body, status, param)
                        "stop_token_ids"),
     "bad_words": ("/v1/completions", {"prompt": "hi", "bad_words": [f"w{i}" for i in range(10**5)]}, 400,
                   "bad_words"),
+    # 1,024 bad words of 28 KB, or 3 million allowed ids, stalled every other request for ~15 s
+    "bad word length": ("/v1/completions", {"prompt": "hi", "bad_words": ["a", "word " * 205]}, 400, "bad_words"),
+    "allowed_token_ids": ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [7] * (2**18 + 1)}, 400,
+                          "allowed_token_ids"),
     "messages": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 10**6}, 400,
                  "messages"),
     "prompt list": ("/v1/completions", {"prompt": ["hi"] * 10**5}, 400, "prompt"),

@@ -132,6 +132,28 @@ def test_compiles_once_per_schema_whatever_its_spelling(llm):
     assert manager.num_compiled == before + 1
 
 
+def test_the_cache_is_bounded_by_bytes_and_xgrammar_keeps_none(llm, monkeypatch):
+    """Our LRU is the one cache (xgrammar's own kept every grammar ever compiled), bounded by entries and by
+    xgrammar's count of a grammar's bytes; a spec past MAX_SPEC_CHARS is refused before compiling."""
+    import pagellm.structured_output.manager as manager_module
+
+    manager = llm.engine.structured_output
+    specs = [Spec(choice=[f"c{k}-{i}" for i in range(50)]) for k in range(6)]
+    one = manager.compile(specs[0]).memory_size_bytes
+    monkeypatch.setattr(manager_module, "_CACHE_BYTES", 3 * one + one // 2)
+    for spec in specs:
+        manager.compile(spec)
+    assert manager._compiler.get_cache_size_bytes() == 0
+    assert 1 <= sum(manager_module._cache_key(s) in manager._cache for s in specs) <= 3
+    assert manager._cache_bytes == sum(c.memory_size_bytes for c in manager._cache.values())
+    before = manager.num_compiled
+    manager.compile(specs[-1])  # the newest is kept
+    assert manager.num_compiled == before
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: the spec is 131073 characters long"):
+        manager.compile(Spec(regex="a" * (manager_module.MAX_SPEC_CHARS + 1)))
+    assert manager.num_compiled == before
+
+
 def test_whitespace_patterns_pick_a_layout_the_pattern_accepts(llm):
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                                "b": {"type": "boolean"}}, "required": ["a", "b"]}

@@ -9,6 +9,7 @@ client used (guided_json, response_format, structured_outputs.regex, ...), not p
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -94,6 +95,9 @@ class StructuredOutputFields(BaseModel):
             forms.append(("response_format.json_schema.schema", lambda: _json_schema_params(rf, ws)))
         if self.guided_json is not None:
             forms.append(("guided_json", lambda: StructuredOutputsParams(json=self.guided_json, whitespace_pattern=ws)))
+        for name in ("guided_regex", "guided_grammar"):
+            if getattr(self, name) == "":  # else "exactly one of ... got none", naming the wrong field
+                raise ValueError(f"{name} must be a non-empty string")
         if self.guided_regex is not None:
             forms.append(("guided_regex", lambda: StructuredOutputsParams(regex=self.guided_regex)))
         if self.guided_choice is not None:
@@ -138,14 +142,19 @@ def attach(params: SamplingParams, spec: StructuredOutputsParams | None, field: 
     return params
 
 
+# Grammars compile in their own threads, not asyncio's default pool, which tokenizes prompts and renders chat
+# templates: a burst of big grammars (a compile cannot be stopped) must not stall every other request's
+# admission. A compile still queued when its request is cancelled is dropped.
+_COMPILE_POOL = ThreadPoolExecutor(2, thread_name_prefix="pagellm-grammar")
+
+
 async def compile_structured_outputs(engine, params: SamplingParams) -> None:
-    """Validate and compile a request's grammar in a worker thread, before admission: the engine then
-    hits the cache (the engine loop never compiles) and an invalid spec is a 400 naming its field.
-    `engine` is the async engine (engine/engine_front.py)."""
+    """Validate and compile a request's grammar in a worker thread, before admission: an invalid spec is a
+    400 naming its field. `engine` is the async engine (engine/engine_front.py)."""
     if params.structured_outputs is None:
         return
     try:
-        await asyncio.to_thread(engine.structured_output.validate, params)
+        await asyncio.get_running_loop().run_in_executor(_COMPILE_POOL, engine.structured_output.validate, params)
     except ValueError as e:
         raise structured_error(e, params) from None
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 
 from pagellm.engine.admission import truncate_prompt
+from pagellm.sample.token_masks import bad_words_token_ids
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.errors import APIError, bad_request
 from pagellm.server.request_limits import check_limits
@@ -104,13 +105,19 @@ async def token_ids_of(tokenizer, items: list[str | list[int]], add_special_toke
 async def prepare_prompts(tokenizer, prompts: list[str | list[int]], params: SamplingParams, max_model_len: int,
                           add_special_tokens: bool = True, max_tokens_param: str = "max_tokens",
                           max_tokens: int | None = None) -> list[dict]:
-    """Prompts -> vLLM TokensPrompt dicts ({"prompt_token_ids", "prompt"}) for the engine: text encoded
-    in a worker thread, truncate_prompt_tokens applied (the text dropped then: it no longer matches), and
-    max_tokens (`max_tokens` if given, else params.max_tokens) checked against the context."""
+    """Prompts -> vLLM TokensPrompt dicts ({"prompt_token_ids", "prompt"}) for the engine: text encoded in a
+    worker thread (bad_words too, into params; allowed_token_ids each once), truncate_prompt_tokens applied (the
+    text dropped then: it no longer matches), and max_tokens (`max_tokens` if given, else params.max_tokens)
+    checked against the context."""
     try:
         all_ids = await token_ids_of(tokenizer, prompts, add_special_tokens)
     except ValueError as e:  # text the tokenizer cannot take (Tokenizer.encode names it): text prompts are completions'
         raise bad_request(e, "prompt") from None
+    if params.allowed_token_ids is not None:  # each id once: the engine's step reads them all each time
+        params.allowed_token_ids = list(dict.fromkeys(params.allowed_token_ids))
+    if params.bad_words and params.bad_words_token_ids is None:  # here, not in the engine core's loop
+        params.bad_words_token_ids = await asyncio.to_thread(
+            bad_words_token_ids, params.bad_words, lambda w: tokenizer.encode(w, add_special_tokens=False))
     out = []
     for p, ids in zip(prompts, all_ids, strict=True):
         text = p if isinstance(p, str) else None

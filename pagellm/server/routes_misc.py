@@ -45,7 +45,7 @@ async def invocations(request: Request):
     only, so an error names the field that is wrong rather than "no handler matched"."""
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:  # json's C decoder gives up on ~10**5 nested arrays or objects
         raise APIError(400, "request body is nested too deeply") from None

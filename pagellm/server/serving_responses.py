@@ -36,7 +36,6 @@ from pagellm.server.errors import APIError, bad_request
 from pagellm.server.protocol import ChatCompletionRequest
 from pagellm.server.protocol_responses import NamedToolChoice, ResponsesRequest, items_to_messages
 from pagellm.server.request_checks import check_context
-from pagellm.server.request_id import base_request_id
 from pagellm.server.request_limits import MAX_MESSAGES, check_list_length
 from pagellm.server.serving_chat_tools import ToolPlan, plan_tools, render_prompt
 
@@ -119,7 +118,9 @@ async def create_response(body: ResponsesRequest, request: Request, ctx: ServerC
     params = plan.apply(params)
     prompt_ids = await asyncio.to_thread(_render, ctx, chat, plan)
     check_context(len(prompt_ids), params.max_tokens, ctx.engine.max_model_len, "max_output_tokens")
-    rid = f"resp_{base_request_id(request)}"
+    # Always a fresh id, never the client's X-Request-Id (as chat's ids are): a response is stored under it and
+    # read back by it, so a reused or guessed header must not replace or reveal another client's response.
+    rid = f"resp_{uuid.uuid4().hex}"
     streams = await ctx.add_all([prompt_ids], params, rid, "input", body.cache_salt)
     state = _ResponseState(body, rid, model, conversation, plan)
     if body.stream:

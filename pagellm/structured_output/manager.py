@@ -14,6 +14,12 @@ from pagellm.structured_output.request_state import GrammarState, trim_drafts
 from pagellm.structured_output.schema_check import unsupported_schema_feature
 
 _CACHE_ENTRIES = 512  # compiled grammars kept (LRU); each holds its token-mask cache
+_CACHE_BYTES = 256 << 20  # and at most this much of them (xgrammar's own count, memory_size_bytes)
+# The longest spec compiled (a schema's JSON text, a regex, a grammar, the choices' total length): xgrammar's
+# compile time grows faster than the spec, and a compile cannot be stopped once started. Choice lists on
+# SmolLM2's vocabulary (a scratch loop, benchmarks/NOTES.md, thirty-second session): 41 KB 0.03 s, 65-125 KB
+# 0.06-2.4 s, 150 KB 2.2-3.6 s, 310 KB 10-16 s.
+MAX_SPEC_CHARS = 131_072
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ": noise to a client.
 _XGR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 # Whitespace runs xgrammar's any_whitespace mode may produce between JSON tokens (it allows [ \n\t]*).
@@ -34,6 +40,7 @@ class StructuredOutputManager:
         self._compiler = None
         self._info = None
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._cache_bytes = 0
         self._json_masks: dict[bool, Any] = {}
         self.num_compiled = 0  # compilations actually run (cache misses): tests and metrics read it
 
@@ -100,12 +107,17 @@ class StructuredOutputManager:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+        size = _spec_chars(key)
+        if size > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{spec.kind}: the spec is {size} characters long, more than the "
+                             f"{MAX_SPEC_CHARS} pagellm compiles")
         compiled = self._compile(spec, key)  # outside the lock: compiling a big schema takes a while
         with self._lock:
             self.num_compiled += 1
             self._cache[key] = compiled
-            if len(self._cache) > _CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            self._cache_bytes += compiled.memory_size_bytes
+            while len(self._cache) > 1 and (len(self._cache) > _CACHE_ENTRIES or self._cache_bytes > _CACHE_BYTES):
+                self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams, key: tuple):
@@ -158,7 +170,10 @@ class StructuredOutputManager:
                 import xgrammar as xgr
 
                 self._info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(self._info, max_threads=min(8, os.cpu_count() or 1))
+                # xgrammar's own cache off: it keeps every grammar ever compiled (no limit by default); the
+                # LRU above is the one cache
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=min(8, os.cpu_count() or 1),
+                                                     cache_enabled=False)
             return self._compiler
 
 
@@ -224,6 +239,15 @@ def _cache_key(spec: StructuredOutputsParams) -> tuple:
     else:
         value = getattr(spec, kind)
     return kind, value, spec.whitespace_pattern
+
+
+def _spec_chars(key: tuple) -> int:
+    value = key[1]
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, tuple):  # choice: the alternatives and a separator each
+        return sum(len(c) + 1 for c in value)
+    return 0
 
 
 def _json_layout(whitespace_pattern: str | None) -> dict:
