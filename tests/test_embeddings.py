@@ -125,11 +125,23 @@ def test_async_client_and_blocks_come_back(server):
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x", "pooling": "max"}, "pooling"),
     ({"input": "x " * 2000}, "input"),  # longer than max_model_len (1024)
+    ({"input": "x", "truncate_prompt_tokens": True}, "truncate_prompt_tokens"),  # was read as 1
+    ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
 ])
 def test_bad_inputs_are_400_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/embeddings", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_the_last_max_model_len(server, llm):
+    """vLLM's -1: as many of the last tokens as the context holds (a 2,000-token input is a 400 without it)."""
+    long = "x " * 2000
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": long, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == llm.engine.max_model_len
+    cut = httpx.post(server.url + "/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 1024}).json()
+    assert r.json()["data"][0]["embedding"] == cut["data"][0]["embedding"]
 
 
 def test_the_engine_job_takes_token_ids_only(llm):

@@ -17,7 +17,7 @@ from pagellm.engine.embedding import check_token_ids, embed_token_ids
 from pagellm.engine.request_stream import EngineStoppedError, RequestTimeoutError
 from pagellm.server.common import ServerContext, admission_error, now_s, unless_disconnected
 from pagellm.server.errors import APIError
-from pagellm.server.fields import Flag, TokenId
+from pagellm.server.fields import Flag, Int, TokenId
 from pagellm.server.request_checks import token_ids_of
 from pagellm.server.request_limits import MAX_INPUTS, check_list_length
 
@@ -28,13 +28,13 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Int | None = None
     user: str | None = None
     # vLLM / pagellm extras
     pooling: Literal["last", "mean"] | None = None  # default: the server's --embedding-pooling
     normalize: Flag = True
     add_special_tokens: Flag = True
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int | None = None  # keep the last N tokens of each input (-1: max_model_len)
 
     def inputs(self) -> list[str | list[int]]:
         x = self.input
@@ -53,9 +53,10 @@ async def create_embedding(body: EmbeddingRequest, request: Request, ctx: Server
     if body.dimensions is not None and body.dimensions != hidden:
         raise APIError(400, f"dimensions must be {hidden} (this model's hidden size; no other is supported), "
                             f"got {body.dimensions}", param="dimensions")
-    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < 1:
-        raise APIError(400, f"truncate_prompt_tokens must be an integer >= 1, got {body.truncate_prompt_tokens}",
-                       param="truncate_prompt_tokens")
+    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens < 1 and \
+            body.truncate_prompt_tokens != -1:
+        raise APIError(400, f"truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), got "
+                            f"{body.truncate_prompt_tokens}", param="truncate_prompt_tokens")
     inputs = body.inputs()
     check_list_length("input", inputs, MAX_INPUTS)  # each is a job between steps (minutes for 10**5)
     try:
@@ -88,7 +89,8 @@ async def _token_ids(ctx: ServerContext, inputs: list[str | list[int]], body: Em
     out = []
     for ids in await token_ids_of(ctx.engine.tokenizer, inputs, body.add_special_tokens):
         if body.truncate_prompt_tokens is not None:
-            ids = ids[-body.truncate_prompt_tokens:]
+            keep = ctx.engine.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+            ids = ids[-keep:]
         check_token_ids(ids, "input", ctx.engine.info.model_config.vocab_size, ctx.engine.max_model_len)
         out.append(ids)
     return out
