@@ -237,6 +237,8 @@ def test_an_invalid_text_format_schema_names_text(server):
     ({"type": "message", "role": "robot", "content": "hi"}, "role"),
     ({"type": "reasoning", "summary": []}, "type"),
     ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[0].call_id is required"),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"},
+     "input: a function_call item's arguments must be a JSON object"),  # named the chat field before
 ])
 def test_an_input_item_error_says_what_in_the_item_is_wrong(server, item, words):
     r = httpx.post(server.url + "/v1/responses", timeout=60, json={"model": MODEL, "input": [item]})

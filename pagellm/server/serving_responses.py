@@ -150,8 +150,9 @@ def _render(ctx: ServerContext, chat: ChatCompletionRequest, plan: ToolPlan) -> 
     tok = ctx.engine.tokenizer
     try:
         text = render_prompt(tok, ctx.chat, [m.to_template_dict() for m in chat.messages], True, plan)
-    except ValueError as e:
-        raise APIError(400, str(e), param="input") from None
+    except ValueError as e:  # the chat form's name for a function_call item's arguments is not the client's
+        msg = str(e).replace("tool_calls[].function.arguments", "input: a function_call item's arguments")
+        raise APIError(400, msg, param="input") from None
     except jinja2.TemplateError as e:
         raise APIError(400, f"the chat template rejected the conversation: {e}", param="input") from None
     except (TypeError, ArithmeticError) as e:  # a template's expression failed on this conversation
