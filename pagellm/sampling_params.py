@@ -75,6 +75,11 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """Normalize and check every field (ValueError naming it). Run at construction, and again by the engine
+        when a request is admitted: a caller may change a field afterwards (p.n = 0 failed deep in a step)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.bad_words, str):  # one word, as stop takes one string
@@ -177,11 +182,19 @@ class SamplingParams:
                                                         or self.truncate_prompt_tokens == 0):
             # -1 (vLLM): keep as many of the last prompt tokens as the context leaves room for.
             bad("truncate_prompt_tokens", "-1 or an integer >= 1", self.truncate_prompt_tokens)
-        if self.use_beam_search and (self.allowed_token_ids is not None or self.bad_words):
-            # beam_candidates ranks the raw logprobs: a mask would silently not apply.
-            bad("allowed_token_ids" if self.allowed_token_ids is not None else "bad_words",
-                "unset with use_beam_search (beam search does not apply it)",
-                self.allowed_token_ids if self.allowed_token_ids is not None else self.bad_words)
+        if self.use_beam_search:
+            # beam_candidates ranks the raw logprobs and ends a beam at the end-of-sequence token only: what it
+            # would silently not apply is refused, as the server refuses it (temperature, top_p, top_k and
+            # min_p change no ranking; their defaults are sampling's, so they are not checked here)
+            ignored = {"allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
+                       "logit_bias": bool(self.logit_bias), "presence_penalty": self.presence_penalty != 0.0,
+                       "frequency_penalty": self.frequency_penalty != 0.0,
+                       "repetition_penalty": self.repetition_penalty != 1.0, "stop": bool(self.stop),
+                       "stop_token_ids": bool(self.stop_token_ids), "min_tokens": self.min_tokens != 0,
+                       "logprobs": self.logprobs is not None}
+            name = next((k for k, v in ignored.items() if v), None)
+            if name is not None:
+                bad(name, "unset with use_beam_search (beam search does not apply it)", getattr(self, name))
         for tok, bias in (self.logit_bias or {}).items():
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
                 bad(f"logit_bias[{tok}]", "in [-100, 100]", bias)

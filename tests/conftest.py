@@ -194,6 +194,27 @@ def tiny_gguf_model(tiny_hf_model, tmp_path_factory):
 
 
 @pytest.fixture
+def poison_when_admitted(monkeypatch):
+    """poison(engine, params, **fields): once `engine` admits a request with this very params object, set the
+    fields on it. The engine checks a request's params again at admission, so a poison meant to fail the step
+    (a seed past torch's range, a logit_bias value float() refuses) must come in after it."""
+
+    def poison(engine, params, **fields):
+        add = engine.add_request
+
+        def admit(request_id, prompt, p=None, *args, **kwargs):
+            rid = add(request_id, prompt, p, *args, **kwargs)
+            if p is params:
+                for name, value in fields.items():
+                    setattr(p, name, value)
+            return rid
+
+        monkeypatch.setattr(engine, "add_request", admit)
+
+    return poison
+
+
+@pytest.fixture
 def no_llama_cpp(tmp_path, monkeypatch):
     """Children see a `llama_cpp` that fails to import, whether or not the real one is installed."""
     shadow = tmp_path / "shadow" / "llama_cpp"

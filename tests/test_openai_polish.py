@@ -175,7 +175,7 @@ def test_a_responses_conversation_goes_on_after_a_call_cut_by_max_output_tokens(
     assert nxt.usage.input_tokens > first.usage.input_tokens
 
 
-def test_draft_proposer_failures_stay_with_their_request(tiny_path, smollm_gguf_path):  # noqa: F811
+def test_draft_proposer_failures_stay_with_their_request(tiny_path, smollm_gguf_path, poison_when_admitted):  # noqa: F811
     llm = LLM(tiny_path, tokenizer=smollm_gguf_path, kv_cache_memory="8MiB", speculative_method="draft",
               draft_model=tiny_path, num_speculative_tokens=3, draft_kv_cache_memory="8MiB")
     prompts = [[5 + i, 6, 7, 8] * 3 for i in range(4)]
@@ -184,7 +184,8 @@ def test_draft_proposer_failures_stay_with_their_request(tiny_path, smollm_gguf_
     # the largest seed SamplingParams accepts: the draft's generator is seeded with seed + 1
     top_seed = SamplingParams(temperature=1.0, seed=2**64 - 1, max_tokens=10, ignore_eos=True)
     bad_bias = SamplingParams(temperature=1.0, seed=3, max_tokens=10)
-    bad_bias.logit_bias = {5: "not a number"}  # past validation: fails the draft's and the target's sampling
+    # past validation: fails the draft's and the target's sampling
+    poison_when_admitted(llm.engine, bad_bias, logit_bias={5: "not a number"})
     outs = llm.generate([*prompts, [9, 10, 11], [12, 13, 14]], [greedy] * 4 + [top_seed, bad_bias], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:4]] == [o.outputs[0].token_ids for o in clean]
     assert outs[4].error is None and len(outs[4].outputs[0].token_ids) == 10

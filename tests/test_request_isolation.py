@@ -44,21 +44,25 @@ def _sixteen() -> list[tuple[list[int], SamplingParams]]:
     return list(zip(ps, params, strict=True))
 
 
-def _poisoned_seed() -> SamplingParams:
-    p = SamplingParams(temperature=1.0, seed=1, max_tokens=8)
-    p.seed = 2**64  # past validation (which refuses it): torch.Generator.manual_seed raises in the step
-    return p
+# Poisons set once the request is admitted (admission checks every field again, and refuses both):
+SEED_POISON = {"seed": 2**64}  # torch.Generator.manual_seed raises in the step
+BIAS_POISON = {"logit_bias": {5: "not a number"}}  # a logits-processing failure (float() raises in the sampler)
 
 
-def _poisoned_bias() -> SamplingParams:
-    p = SamplingParams(temperature=0.0, max_tokens=8)
-    p.logit_bias = {5: "not a number"}  # a logits-processing failure (float() raises in the sampler)
-    return p
+def _seeded() -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=1, max_tokens=8)
 
 
-def _joins(params_fn):
+def _joins(make, fields):
     """The poison joins the running batch."""
-    return lambda eng: eng.add_request("poison", [5, 6, 7, 8, 9], params_fn())
+
+    def join(eng):
+        p = make()
+        eng.add_request("poison", [5, 6, 7, 8, 9], p)
+        for name, value in fields.items():
+            setattr(p, name, value)
+
+    return join
 
 
 def _turns_bad(eng):
@@ -97,8 +101,9 @@ def _assert_all_blocks_free(llm):
 
 
 @pytest.mark.parametrize("speculative", [None, "ngram"])
-@pytest.mark.parametrize("poison,cause", [(_joins(_poisoned_seed), "Overflow"),
-                                          (_joins(_poisoned_bias), "could not convert"),
+@pytest.mark.parametrize("poison,cause", [(_joins(_seeded, SEED_POISON), "Overflow"),
+                                          (_joins(lambda: SamplingParams(temperature=0.0, max_tokens=8), BIAS_POISON),
+                                           "could not convert"),
                                           (_turns_bad, "could not convert")], ids=["seed", "bias", "turns-bad"])
 def test_a_poisoned_request_fails_alone_and_the_16_others_are_unchanged(make_llm, speculative, poison, cause):
     # adaptive drafting follows measured step times, and what is drafted changes seeded draws
@@ -121,11 +126,13 @@ def test_a_poisoned_request_fails_alone_and_the_16_others_are_unchanged(make_llm
         assert [c.finish_reason for c in finals[rid].outputs] == [c.finish_reason for c in out.outputs]
 
 
-def test_offline_generate_returns_the_error_and_the_rest(make_llm):
+def test_offline_generate_returns_the_error_and_the_rest(make_llm, poison_when_admitted):
     llm = make_llm()
     reqs = _sixteen()[:4]
     prompts = [p for p, _ in reqs] + [[5, 6, 7]]
-    outs = llm.generate(prompts, [p for _, p in reqs] + [_poisoned_seed()], use_tqdm=False)
+    poisoned = _seeded()
+    poison_when_admitted(llm.engine, poisoned, **SEED_POISON)
+    outs = llm.generate(prompts, [p for _, p in reqs] + [poisoned], use_tqdm=False)
     assert [o.error is None for o in outs] == [True] * 4 + [False]
     assert outs[-1].outputs[0].finish_reason == "error" and "seed" not in outs[-1].outputs[0].text
     assert all(len(o.outputs[0].token_ids) > 0 for o in outs[:4])
@@ -197,6 +204,15 @@ def test_length_penalty_out_of_range_is_refused_at_validation(value):
     SamplingParams(n=2, use_beam_search=True, max_tokens=4, length_penalty=-10.0)
 
 
+def _changed(params: SamplingParams, **fields) -> SamplingParams:
+    import copy
+
+    p = copy.copy(params)
+    for k, v in fields.items():
+        setattr(p, k, v)
+    return p
+
+
 def test_offline_api_inputs_of_the_wrong_shape_fail_clearly_and_leave_the_engine_clean(make_llm):
     """What a probe of the Python API found failing deep inside the engine (AttributeError, a jinja error, a
     dict iterated as its keys); each now a TypeError or ValueError naming what is wrong, and the engine
@@ -221,11 +237,25 @@ def test_offline_api_inputs_of_the_wrong_shape_fail_clearly_and_leave_the_engine
         (lambda: SamplingParams(n=True), ValueError, "n must be an integer, not a boolean"),
         (lambda: SamplingParams(max_tokens=True), ValueError, "max_tokens must be an integer, not a boolean"),
         (lambda: SamplingParams(allowed_token_ids=[True]), ValueError, "allowed_token_ids must be a list of token"),
+        (lambda: llm.generate(["a", "b"], [greedy, None]), TypeError, "got NoneType"),  # was default params
+        # fields changed after construction: checked again at admission (p.n = 0 failed deep in the output
+        # processor; a seed past the n-th sample's range queued sample 0 before failing, and every later call
+        # then failed on the orphan)
+        (lambda: llm.generate([[5, 6]], _changed(greedy, n=0)), ValueError, "n must be an integer >= 1"),
+        (lambda: llm.generate([[5, 6]], _changed(SamplingParams(n=2, max_tokens=3), seed=2**64 - 1)), ValueError,
+         "seed must be an integer in"),
+        (lambda: llm.generate([[5, 6]], _changed(greedy, stop_token_ids=None, max_tokens=0)), ValueError,
+         "max_tokens must be an integer >= 1"),
+        (lambda: SamplingParams(use_beam_search=True, n=2, max_tokens=3, logit_bias={5: 10.0}), ValueError,
+         "logit_bias must be unset with use_beam_search"),
+        (lambda: SamplingParams(use_beam_search=True, n=2, max_tokens=3, logprobs=2), ValueError,
+         "logprobs must be unset with use_beam_search"),
     ]
     for call, kind, words in cases:
         with pytest.raises(kind, match=words):
             call()
         _assert_all_blocks_free(llm)
+        assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
     assert SamplingParams(bad_words="abc").bad_words == ["abc"]  # one word, not three letters
     gen = llm.generate([[5, 6, 7]], (p for p in [greedy]), use_tqdm=False)  # any iterable of params
     assert gen[0].outputs[0].token_ids == before

@@ -68,10 +68,10 @@ class LLM:
         else:
             iterable = hasattr(sampling_params, "__iter__") and not isinstance(sampling_params, (dict, str))
             params = list(sampling_params) if iterable else [sampling_params]
-            bad = next((p for p in params if not isinstance(p, SamplingParams)), None)  # a dict iterates its keys
-            if bad is not None:
+            bad = [p for p in params if not isinstance(p, SamplingParams)]  # a dict iterates its keys
+            if bad:  # (a list, not next(..., None): a None in the list is itself the wrong one)
                 raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
-                                f"{type(bad).__name__}")
+                                f"{type(bad[0]).__name__}")
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         ids = []

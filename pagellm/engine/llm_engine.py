@@ -168,6 +168,9 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()  # again: a field may have changed since construction
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -187,11 +190,11 @@ class LLMEngine:
         # n greedy samples are one sample: computed once and reported n times (a sibling's first token, recomputed
         # in a step of another size, could part from the leader's under --dtype auto)
         copies = params.n if params.greedy and params.n > 1 else 1
-        for i in range(params.n // copies):
+        children = [params if params.n == 1 else params.child(i) for i in range(params.n // copies)]  # none queued
+        for i, child in enumerate(children):
             # Always suffixed, n = 1 too: what follows the last '#' never holds one, so no request's id can equal
             # another's sequence (a request 'a#1' beside 'a' with n = 2 had shared a scheduler id).
             seq_id = f"{request_id}#{i}"
-            child = params if params.n == 1 else params.child(i)
             req = Request(seq_id, prompt_ids, child, self.eos_token_ids, arrival_time, cache_salt)
             # Siblings fork from the first sequence's prompt blocks instead of prefilling again.
             self.scheduler.add_request(req, fork_of=seqs[0].request if seqs else None)
