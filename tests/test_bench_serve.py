@@ -359,12 +359,13 @@ def test_outputs_checked_before_the_run_and_a_foreign_server_is_one_line(tmp_pat
     assert str(e.value).startswith("cannot list models at") and "404" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_timeout_bounds_each_wait_not_the_stream_and_silent_servers_are_one_line():
+def test_timeout_bounds_each_wait_not_the_stream_and_silent_servers_are_one_line(monkeypatch):
     """--timeout bounds each wait for data (httpx.Timeout): a stream that takes 4x the timeout with shorter gaps
     succeeds, one that stalls past it is a failed record that says so (httpx's timeouts have empty messages);
     a /v1/models that never answers is one line (str(e).splitlines()[0] was an IndexError)."""
     import asyncio
 
+    from pagellm.bench import common
     from pagellm.bench.common import served_model
     from pagellm.bench.serve import _send
     from pagellm.bench.workload import BenchRequest
@@ -388,19 +389,25 @@ def test_timeout_bounds_each_wait_not_the_stream_and_silent_servers_are_one_line
         urls = [f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}" for s in (steady, stall, silent)]
         async with httpx.AsyncClient(timeout=httpx.Timeout(0.25)) as session:
             recs = [await _send(session, u, "m", BenchRequest([100], 4), time.perf_counter()) for u in urls[:2]]
-        async with httpx.AsyncClient(timeout=httpx.Timeout(0.25)) as client:
+        # the probe's own limit (MODELS_PROBE_TIMEOUT_S, 0.3 s here) under a client's long one: bench serve had
+        # waited its --timeout (600 s) on a port that never answers
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as client:
+            t = time.perf_counter()
             try:
                 await served_model(client, urls[2], None, 1)
             except ValueError as e:
                 recs.append(str(e))
+            assert time.perf_counter() - t < 3
         for s in (steady, stall, silent):
             s.close()
         return recs
 
+    monkeypatch.setattr(common, "MODELS_PROBE_TIMEOUT_S", 0.3)
     steady, stalled, silent = asyncio.run(go())
     assert steady.success and steady.output_tokens == 4 and steady.e2el > 0.25
     assert not stalled.success and stalled.error == "ReadTimeout: no data within --timeout"
-    assert silent.startswith("cannot list models at") and silent.endswith("ReadTimeout") and "\n" not in silent
+    assert silent.startswith("cannot list models at") and "ReadTimeout, no answer within 0.3 s" in silent
+    assert "\n" not in silent
 
 
 def test_sharegpt_turns_without_a_value_are_skipped(tmp_path):

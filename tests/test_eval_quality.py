@@ -157,8 +157,12 @@ def test_cli_json_matrix_resume_and_plot(tiny_path, smollm_gguf_path, tmp_path, 
     (["--text", "/nonexistent/text.txt"], "text file /nonexistent/text.txt: cannot be read"),
     (["-q", "q9_9"], "quantization must be one of"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
-], ids=["missing-text", "unknown-quantization", "max-tokens"])
+    (["--matrix", "ROWS"], "model '/nonexistent/x.gguf' not found"),  # was found after the baseline's minutes
+], ids=["missing-text", "unknown-quantization", "max-tokens", "matrix-row-model"])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([{"name": "ok"}, {"name": "gone", "model": "/nonexistent/x.gguf"}]))
+    args = [str(rows) if a == "ROWS" else a for a in args]
     proc = subprocess.run([sys.executable, "-m", "pagellm.cli", "eval", "--model", str(tmp_path), *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -126,13 +126,21 @@ def latency_roofline(cfg, engines: dict[str, tuple[int, int, list[dict]]], threa
     return {"machine": machine, "engines": out}
 
 
+MODELS_PROBE_TIMEOUT_S = 30.0
+
+
 async def served_model(client, base: str, wanted: str | None, default_len: int) -> tuple[str, int]:
     """(model id, its max_model_len) from a server's /v1/models: `wanted` or the first one served."""
     import httpx
 
-    try:
-        r = await client.get(base + "/v1/models")
+    try:  # a short limit of its own: the client's is per generation request (minutes), and a port that takes
+        # the connection but never answers (not an HTTP server, a hung one) would hold the benchmark as long
+        limit = min(MODELS_PROBE_TIMEOUT_S, client.timeout.read or MODELS_PROBE_TIMEOUT_S)
+        r = await client.get(base + "/v1/models", timeout=limit)
         r.raise_for_status()
+    except httpx.TimeoutException as e:
+        raise ValueError(f"cannot list models at {base}/v1/models: {type(e).__name__}, no answer within {limit:g} s "
+                         "(is it an OpenAI-compatible server?)") from None
     except httpx.HTTPError as e:  # its first line: httpx adds a second, a link explaining the status code
         raise ValueError(f"cannot list models at {base}/v1/models: "
                          f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None

@@ -36,6 +36,7 @@ from importlib import resources
 import torch
 
 from pagellm.config import EngineArgs
+from pagellm.model.loader import resolve_model_path
 from pagellm.sampling_params import SamplingParams
 
 # The figures every result carries (the JSON's contract; tests/test_eval_quality.py checks them).
@@ -139,7 +140,11 @@ def engine_args(model: str | None, tokenizer: str | None, kv_cache_memory: str, 
     if unknown:
         raise ValueError(f"unknown engine option(s) in configuration: {', '.join(sorted(unknown))}")
     kw = {"model": model, "tokenizer": tokenizer, "kv_cache_memory": kv_cache_memory, "num_threads": num_threads}
-    return EngineArgs(**{**kw, **config})
+    args = EngineArgs(**{**kw, **config})
+    for path in (args.model, args.tokenizer):  # a matrix row's own "model" too, before the baseline's minutes
+        if path is not None:
+            resolve_model_path(path)
+    return args
 
 
 def _load(args: EngineArgs):
