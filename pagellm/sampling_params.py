@@ -12,6 +12,9 @@ LENGTH_PENALTY_MAX = 10.0  # (2**20 tokens) ** 10 is 2**200: far from float over
 _SEED_MIN, _SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What the output must match (vLLM's `structured_outputs`): exactly one of json (a JSON schema, as a
@@ -28,16 +31,19 @@ class StructuredOutputsParams:
     def __post_init__(self):
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
+        # set = not None (json_object: True); json={} is a schema (any JSON value), not "unset"
+        given = [k for k in _KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice or "
                              f"grammar, got {given or 'none'}")
+        if given[0] in ("regex", "grammar") and not self.regex and not self.grammar:
+            raise ValueError(f"structured_outputs.{given[0]} must be a non-empty string")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
+        return next(k for k in _KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
 
 
 @dataclass

@@ -183,6 +183,7 @@ def test_langchain_with_structured_output_returns_the_parsed_object(server):
     ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos", r"ignore_eos must be false"),
     ({"response_format": {"type": "yaml"}}, "response_format", r"response_format"),
     ({"guided_regex": ""}, "guided_regex", r"^guided_regex must be a non-empty string"),  # named "none" before
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs", r"^structured_outputs\.regex must be a non-empty"),
     # past MAX_SPEC_CHARS: 20,000 choices compiled for 10-16 s, unstoppable, before the cap
     ({"guided_choice": [f"option {i}" for i in range(20_000)]}, "guided_choice",
      r"^guided_choice: the spec is \d+ characters long, more than the 131072"),

@@ -122,6 +122,18 @@ def test_invalid_specs_are_refused_naming_the_field(llm, spec, params, message):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_spec_sets_exactly_one_kind_and_an_empty_schema_is_one():
+    """json={} is a schema (any JSON value), not "unset": beside a regex it was silently dropped, alone it was
+    refused as "got none"; an empty regex or grammar is refused by name."""
+    assert Spec(json={}).kind == "json"
+    with pytest.raises(ValueError, match=r"exactly one of .* got \['json', 'regex'\]"):
+        Spec(json={}, regex="a")
+    for kind in ("regex", "grammar"):
+        with pytest.raises(ValueError, match=rf"^structured_outputs\.{kind} must be a non-empty string"):
+            Spec(**{kind: ""})
+    assert Spec(json_object=False, regex="a").kind == "regex"
+
+
 def test_compiles_once_per_schema_whatever_its_spelling(llm):
     manager = llm.engine.structured_output
     schema = {"type": "object", "properties": {"zz": {"type": "integer", "minimum": 1, "maximum": 3}}}

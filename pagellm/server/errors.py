@@ -40,7 +40,7 @@ class APIError(Exception):
 
 
 # SamplingParams and the server raise "FIELD must be ...", "logit_bias[5] must be ...", "FIELD requires ...".
-_FIELD_RE = re.compile(r"^([A-Za-z_]\w*)(?:\[[^\]]*\])?(?: keys)? (?:must|requires)\b")
+_FIELD_RE = re.compile(r"^([A-Za-z_]\w*)(?:\.[\w.]+)?(?:\[[^\]]*\])?(?: keys)? (?:must|requires)\b")  # a.b: a
 
 
 def bad_request(error: Exception | str, default_param: str | None = None) -> APIError:

@@ -109,7 +109,8 @@ class StructuredOutputFields(BaseModel):
         so = self.structured_outputs
         if so is not None:
             kinds = [k for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                    ("grammar", so.grammar), ("json_object", so.json_object)) if v]
+                                    ("grammar", so.grammar), ("json_object", so.json_object))
+                     if v is not None and v is not False]  # {"json": {}} is a schema: any JSON value
             if len(kinds) != 1 or (so.choice is not None and not so.choice):
                 raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar or "
                                  f"json_object, got {', '.join(kinds) or 'none'}")
