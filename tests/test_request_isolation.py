@@ -250,6 +250,10 @@ def test_offline_api_inputs_of_the_wrong_shape_fail_clearly_and_leave_the_engine
          "logit_bias must be unset with use_beam_search"),
         (lambda: SamplingParams(use_beam_search=True, n=2, max_tokens=3, logprobs=2), ValueError,
          "logprobs must be unset with use_beam_search"),
+        (lambda: llm.embed(None), TypeError, "prompts must be"),  # "'NoneType' object is not iterable"
+        (lambda: llm.next_token_logprobs("hello"), TypeError, "sequences must be"),  # "token id h is out of range"
+        (lambda: llm.next_token_logprobs(None), TypeError, "sequences must be"),
+        (lambda: llm.next_token_logprobs([5, 6, 7], chunk=0), ValueError, "chunk must be an integer >= 1"),
     ]
     for call, kind, words in cases:
         with pytest.raises(kind, match=words):

@@ -168,6 +168,9 @@ class LLM:
         engine's embedding_pooling), L2-normalized (pagellm/engine/embedding.py)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got "
+                            f"{type(prompts).__name__}")
         return [embed(self.engine, p, pooling, normalize)[0] for p in prompts]
 
     def next_token_logprobs(self, sequences: list[int] | Sequence[list[int]], start: int | Sequence[int] = 0,
@@ -175,8 +178,13 @@ class LLM:
         """Teacher forcing: per token-id sequence, float32 full-vocabulary log-softmax rows
         [len - start, vocab], row i the distribution of the token after seq[:start + i + 1], from the
         engine's forward in chunks of `chunk` rows (default: the step budget; pagellm/engine/scoring.py)."""
-        if sequences and isinstance(sequences[0], int):
+        if isinstance(sequences, (list, tuple)) and sequences and isinstance(sequences[0], int):
             sequences = [sequences]
+        if not isinstance(sequences, (list, tuple)) or any(not isinstance(s, (list, tuple)) for s in sequences):
+            raise TypeError("sequences must be a list of token ids or a list of those (text is not scored here: "
+                            "encode it with llm.get_tokenizer() first)")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
         starts = [start] * len(sequences) if isinstance(start, int) else list(start)
         if len(starts) != len(sequences):
             raise ValueError(f"got {len(starts)} starts for {len(sequences)} sequences")
