@@ -150,15 +150,25 @@ void vnni_strip(const Rows& x, int r0, const uint8_t* codes, const float* d, con
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, acc[r]);
 }
 
+// The rows in as few passes over the strip as the registers allow (up to MAX_PASS_ROWS each, the passes even:
+// 5 rows one pass, 9 rows 5 + 4), since each pass unpacks every block again: a speculative step of 4 drafts
+// (5 rows) had run as 4 + 1. A row's arithmetic is the same in any pass, so its bits do not change.
+constexpr int MAX_PASS_ROWS = 6;
+
 template <int Planes, bool Q8>
 void vnni_rows(const Rows& x, const uint8_t* codes, const float* d, const float* m, float* y, int64_t ldy) {
-    for (int r = 0; r < x.M; r += 4) {
-        switch (std::min(4, x.M - r)) {
+    const int passes = (x.M + MAX_PASS_ROWS - 1) / MAX_PASS_ROWS;
+    for (int p = 0, r = 0; p < passes; ++p) {
+        const int n = (x.M - r) / (passes - p);  // the remaining rows spread evenly over the remaining passes
+        switch (n) {
+            case 6: vnni_strip<6, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            case 5: vnni_strip<5, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
             case 4: vnni_strip<4, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
             case 3: vnni_strip<3, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
             case 2: vnni_strip<2, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
             default: vnni_strip<1, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
         }
+        r += n;
     }
 }
 
