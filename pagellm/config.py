@@ -332,6 +332,8 @@ class EngineArgs:
             raise ValueError(f"speculative_method must be 'ngram' or 'draft', got {self.speculative_method!r}")
         if self.draft_model is not None and self.speculative_method != "draft":
             raise ValueError("draft_model is read only with speculative_method 'draft' (--speculative-method draft)")
+        if self.speculative_method == "draft" and not self.draft_model:  # here, not after the target loaded
+            raise ValueError("speculative_method='draft' needs draft_model (a .gguf file or HF directory)")
         n = self.speculative_disable_by_batch_size
         if n is not None and (not isinstance(n, int) or n < 1):
             raise ValueError(f"speculative_disable_by_batch_size must be an integer >= 1, got {n!r}")

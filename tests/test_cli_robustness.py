@@ -155,6 +155,8 @@ def test_smaller_findings():
         EngineArgs(max_model_len=True)
     with pytest.raises(ValueError, match="draft_model is read only with speculative_method 'draft'"):
         EngineArgs(draft_model="/nonexistent")
+    with pytest.raises(ValueError, match="speculative_method='draft' needs draft_model"):  # before any load now
+        EngineArgs(speculative_method="draft")
     with pytest.raises(ValueError, match="ngram_max must be >= 1, got -3"):
         NgramProposer(4, 1024, 2, -3)
 
