@@ -15,6 +15,10 @@ _SEED_MIN, _SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed acc
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
+def _is_set(kind: str, value) -> bool:
+    return bool(value) if kind == "json_object" else value is not None
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What the output must match (vLLM's `structured_outputs`): exactly one of json (a JSON schema, as a
@@ -31,8 +35,8 @@ class StructuredOutputsParams:
     def __post_init__(self):
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        # set = not None (json_object: True); json={} is a schema (any JSON value), not "unset"
-        given = [k for k in _KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
+        # set = not None (json_object: true); json={} is a schema (any JSON value), not "unset"
+        given = [k for k in _KINDS if _is_set(k, getattr(self, k))]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice or "
                              f"grammar, got {given or 'none'}")
@@ -43,7 +47,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
+        return next(k for k in _KINDS if _is_set(k, getattr(self, k)))
 
 
 @dataclass

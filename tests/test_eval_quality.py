@@ -158,7 +158,8 @@ def test_cli_json_matrix_resume_and_plot(tiny_path, smollm_gguf_path, tmp_path, 
     (["-q", "q9_9"], "quantization must be one of"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--matrix", "ROWS"], "model '/nonexistent/x.gguf' not found"),  # was found after the baseline's minutes
-], ids=["missing-text", "unknown-quantization", "max-tokens", "matrix-row-model"])
+    (["--tokenizer", "/nonexistent/tok"], "tokenizer '/nonexistent/tok' not found"),
+], ids=["missing-text", "unknown-quantization", "max-tokens", "matrix-row-model", "tokenizer"])
 def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps([{"name": "ok"}, {"name": "gone", "model": "/nonexistent/x.gguf"}]))

@@ -4,6 +4,7 @@ the others of its batch finish with exactly the tokens they get without it, and 
 import random
 
 import pytest
+import torch
 
 from pagellm import LLM, SamplingParams
 
@@ -254,6 +255,7 @@ def test_offline_api_inputs_of_the_wrong_shape_fail_clearly_and_leave_the_engine
         (lambda: llm.next_token_logprobs("hello"), TypeError, "sequences must be"),  # "token id h is out of range"
         (lambda: llm.next_token_logprobs(None), TypeError, "sequences must be"),
         (lambda: llm.next_token_logprobs([5, 6, 7], chunk=0), ValueError, "chunk must be an integer >= 1"),
+        (lambda: llm.next_token_logprobs([[5, 6], "ab"]), TypeError, "sequences must be"),
     ]
     for call, kind, words in cases:
         with pytest.raises(kind, match=words):
@@ -264,6 +266,9 @@ def test_offline_api_inputs_of_the_wrong_shape_fail_clearly_and_leave_the_engine
     gen = llm.generate([[5, 6, 7]], (p for p in [greedy]), use_tqdm=False)  # any iterable of params
     assert gen[0].outputs[0].token_ids == before
     assert llm.chat([]) == []
+    assert len(llm.embed((5, 6, 7))) == 1  # a tuple of ids is one prompt, as a list is
+    rows = llm.next_token_logprobs(range(5, 9), start=1)[0]  # any sequence of ids
+    assert torch.equal(rows, llm.next_token_logprobs([5, 6, 7, 8], start=1)[0])
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.kind == "regex"
     text = next(t for t in ("a", "b", "x", "1") if max(llm.get_tokenizer().encode(t)) < 512)  # the tiny vocab
     assert llm.generate({"prompt": text}, greedy, use_tqdm=False)[0].prompt == text  # vLLM's TextPrompt

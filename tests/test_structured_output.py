@@ -166,6 +166,46 @@ def test_the_cache_is_bounded_by_bytes_and_xgrammar_keeps_none(llm, monkeypatch)
     assert manager.num_compiled == before
 
 
+def test_one_compile_per_spec_when_threads_ask_at_once(llm, monkeypatch):
+    """The server's compile pool and the engine may ask for the same new spec at once: one compiles, the others
+    wait for its grammar (each compile had added its bytes to the LRU's count, which then only grew, until the
+    cache held one entry); a failure reaches every waiter."""
+    import threading
+
+    manager = llm.engine.structured_output
+    real = manager._compile
+
+    def slow(spec, key):
+        time.sleep(0.3)  # long enough for every thread to arrive while it runs
+        return real(spec, key)
+
+    monkeypatch.setattr(manager, "_compile", slow)
+    for spec, fails in ((Spec(choice=["same", "spec", "at once"]), False), (Spec(regex="[a-"), True)):
+        before, results = manager.num_compiled, []
+        gate = threading.Barrier(3)
+
+        def ask(spec=spec, gate=gate, results=results):
+            gate.wait()
+            try:
+                results.append(manager.compile(spec))
+            except ValueError as e:
+                results.append(e)
+
+        threads = [threading.Thread(target=ask) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(results) == 3
+        if fails:
+            assert all(isinstance(r, ValueError) and "invalid regex" in str(r) for r in results)
+            assert manager.num_compiled == before
+        else:
+            assert results[0] is results[1] is results[2] and manager.num_compiled == before + 1
+        assert manager._cache_bytes == sum(c.memory_size_bytes for c in manager._cache.values())
+        assert not manager._compiling
+
+
 def test_whitespace_patterns_pick_a_layout_the_pattern_accepts(llm):
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                                "b": {"type": "boolean"}}, "required": ["a", "b"]}

@@ -60,6 +60,7 @@ def run_eval(ns: argparse.Namespace) -> int:
     # imported here: `pagellm --help` and the other subcommands need not load torch for this one
     from pagellm.bench.eval_quality import (
         BASELINE_CONFIG,
+        check_paths,
         config_of,
         engine_args,
         load_eval_data,
@@ -81,13 +82,17 @@ def run_eval(ns: argparse.Namespace) -> int:
     # every configuration is validated before the baseline spends a minute loading and generating
     runs = [(name, engine_args(ns.model, ns.tokenizer, ns.kv_cache_memory, ns.num_threads, cfg))
             for name, cfg in configs]
-    platform_line = get_platform("cpu").summary_line()
-    print(platform_line, flush=True)
     settings = {"max_tokens": ns.max_tokens, "score_chunk": ns.score_chunk, "margin": ns.margin, "chat": ns.chat,
                 "decode_tokens": ns.decode_tokens, "text": data.text_source, "prompts": data.prompts_source}
     report = {"benchmark": "eval", "date": time.strftime("%Y-%m-%d"), "command": "pagellm " + " ".join(sys.argv[1:]),
-              "platform": platform_line, "baseline": config_of(base_args), "settings": settings, "results": []}
+              "platform": None, "baseline": config_of(base_args), "settings": settings, "results": []}
     done = _previous_rows(ns.json, report) if ns.matrix else {}
+    # the paths of what will run (a resumed matrix's finished rows do not, and their models may be gone)
+    pending = [args for name, args in runs if (name, json.dumps(config_of(args), sort_keys=True)) not in done]
+    for args in ([base_args] if pending else []) + pending:
+        check_paths(args)
+    report["platform"] = get_platform("cpu").summary_line()
+    print(report["platform"], flush=True)
     ref = None
     for name, args in runs:
         key = json.dumps(config_of(args), sort_keys=True)

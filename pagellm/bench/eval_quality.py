@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -36,7 +37,6 @@ from importlib import resources
 import torch
 
 from pagellm.config import EngineArgs
-from pagellm.model.loader import resolve_model_path
 from pagellm.sampling_params import SamplingParams
 
 # The figures every result carries (the JSON's contract; tests/test_eval_quality.py checks them).
@@ -140,11 +140,15 @@ def engine_args(model: str | None, tokenizer: str | None, kv_cache_memory: str, 
     if unknown:
         raise ValueError(f"unknown engine option(s) in configuration: {', '.join(sorted(unknown))}")
     kw = {"model": model, "tokenizer": tokenizer, "kv_cache_memory": kv_cache_memory, "num_threads": num_threads}
-    args = EngineArgs(**{**kw, **config})
-    for path in (args.model, args.tokenizer):  # a matrix row's own "model" too, before the baseline's minutes
-        if path is not None:
-            resolve_model_path(path)
-    return args
+    return EngineArgs(**{**kw, **config})
+
+
+def check_paths(args: EngineArgs) -> None:
+    """A configuration's model and tokenizer paths exist (a matrix row's own "model" too): checked for every
+    row that will run before the baseline spends its minutes."""
+    for what, path in (("model", args.model), ("tokenizer", args.tokenizer)):
+        if path is not None and not os.path.exists(os.path.expanduser(str(path))):
+            raise ValueError(f"{what} {path!r} not found: pass a local .gguf file or Hugging Face model directory")
 
 
 def _load(args: EngineArgs):

@@ -166,8 +166,8 @@ class LLM:
               normalize: bool = True) -> list[list[float]]:
         """One embedding per prompt: its final hidden state pooled "last" or "mean" (default: the
         engine's embedding_pooling), L2-normalized (pagellm/engine/embedding.py)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [list(prompts) if isinstance(prompts, tuple) else prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a string, a list of token ids or a list of those, got "
                             f"{type(prompts).__name__}")
@@ -178,9 +178,12 @@ class LLM:
         """Teacher forcing: per token-id sequence, float32 full-vocabulary log-softmax rows
         [len - start, vocab], row i the distribution of the token after seq[:start + i + 1], from the
         engine's forward in chunks of `chunk` rows (default: the step budget; pagellm/engine/scoring.py)."""
-        if isinstance(sequences, (list, tuple)) and sequences and isinstance(sequences[0], int):
+        def ids(s) -> bool:  # a sequence of token ids, not text
+            return isinstance(s, Sequence) and not isinstance(s, (str, bytes))
+
+        if ids(sequences) and sequences and isinstance(sequences[0], int):
             sequences = [sequences]
-        if not isinstance(sequences, (list, tuple)) or any(not isinstance(s, (list, tuple)) for s in sequences):
+        if not ids(sequences) or not all(ids(s) for s in sequences):
             raise TypeError("sequences must be a list of token ids or a list of those (text is not scored here: "
                             "encode it with llm.get_tokenizer() first)")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):

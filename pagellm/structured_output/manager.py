@@ -7,6 +7,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any
 
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -41,6 +42,8 @@ class StructuredOutputManager:
         self._info = None
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._cache_bytes = 0
+        # specs being compiled: one compile per spec at a time (xgrammar's own cache, off, had merged them)
+        self._compiling: dict[tuple, Future] = {}
         self._json_masks: dict[bool, Any] = {}
         self.num_compiled = 0  # compilations actually run (cache misses): tests and metrics read it
 
@@ -102,22 +105,38 @@ class StructuredOutputManager:
         """The xgrammar CompiledGrammar for `spec`; ValueError("structured_outputs.<kind>: ...") if it is
         invalid or uses what xgrammar cannot enforce. Safe to call from several threads."""
         key = _cache_key(spec)
+        size = _spec_chars(key)
+        if size > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{spec.kind}: the spec is {size} characters long, more than the "
+                             f"{MAX_SPEC_CHARS} pagellm compiles")
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        size = _spec_chars(key)
-        if size > MAX_SPEC_CHARS:
-            raise ValueError(f"structured_outputs.{spec.kind}: the spec is {size} characters long, more than the "
-                             f"{MAX_SPEC_CHARS} pagellm compiles")
-        compiled = self._compile(spec, key)  # outside the lock: compiling a big schema takes a while
+            running = self._compiling.get(key)
+            if running is None:  # this thread compiles it; others asking meanwhile wait for its result
+                running = self._compiling[key] = Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return running.result()  # the compile's ValueError too
+        try:
+            compiled = self._compile(spec, key)  # outside the lock: compiling a big schema takes a while
+        except BaseException as e:
+            with self._lock:
+                del self._compiling[key]
+            running.set_exception(e)
+            raise
         with self._lock:
+            del self._compiling[key]
             self.num_compiled += 1
             self._cache[key] = compiled
             self._cache_bytes += compiled.memory_size_bytes
             while len(self._cache) > 1 and (len(self._cache) > _CACHE_ENTRIES or self._cache_bytes > _CACHE_BYTES):
                 self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
+        running.set_result(compiled)
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams, key: tuple):

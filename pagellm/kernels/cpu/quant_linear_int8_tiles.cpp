@@ -129,7 +129,8 @@ inline __m512i block_sum(const __m512i* u, const int8_t* x0, const int8_t* x1) {
 // Rows r0 .. r0 + R - 1 against one strip on AVX-512 VNNI.
 template <int R, int Planes, bool Q8>
 void vnni_strip(const Rows& x, int r0, const uint8_t* codes, const float* d, const float* m, float* y, int64_t ldy) {
-    __m512 acc[R];
+    __m512 acc[R];  // in registers only if the row loops unroll (GCC kept 6 rows' on the stack otherwise)
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < x.nb; ++b) {
         const uint8_t* cb = codes + (size_t)b * CODE_BYTES<Q8>;
@@ -141,17 +142,19 @@ void vnni_strip(const Rows& x, int r0, const uint8_t* codes, const float* d, con
         __m512i u[8];
         load_codes<Q8>(cb, u);
         const __m512 dv = _mm512_loadu_ps(d + b * COLS), mv = Q8 ? dv : _mm512_loadu_ps(m + b * COLS);
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
             const size_t row = (size_t)(r0 + r) * x.K + b * BLOCK;
             const __m512i s = block_sum<Planes>(u, x.q[0] + row, Planes == 2 ? x.q[1] + row : nullptr);
             acc[r] = accumulate<Q8>(acc[r], s, x, (size_t)(r0 + r) * x.nb + b, dv, mv);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, acc[r]);
 }
 
 // The rows in as few passes over the strip as the registers allow (up to MAX_PASS_ROWS each, the passes even:
-// 5 rows one pass, 9 rows 5 + 4), since each pass unpacks every block again: a speculative step of 4 drafts
+// 5 rows one pass, 9 rows 4 + 5), since each pass unpacks every block again: a speculative step of 4 drafts
 // (5 rows) had run as 4 + 1. A row's arithmetic is the same in any pass, so its bits do not change.
 constexpr int MAX_PASS_ROWS = 6;
 
