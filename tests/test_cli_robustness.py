@@ -306,3 +306,18 @@ def test_input_len_under_the_grounded_latency_task_is_refused_not_ignored():
     r = cli("bench", "latency", "--input-len", "300")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
         "pagellm: error: --input-len sets the prompt of --task random"), r.stderr
+
+
+def test_a_max_model_len_past_the_models_context_is_clamped_before_the_kv_check(caplog):
+    """--max-model-len 10,000,000 on an 8,192-token model was refused with "raise --kv-cache-memory", which could
+    not help (9,000 was clamped to 8,192 with a warning): the context's clamp comes first now."""
+    from pagellm.engine.kv_sizing import fit_max_model_len
+
+    assert fit_max_model_len(10_000_000, 8192, 23296, 2**30) == 8192
+    assert "longer than the model's context (8192 tokens)" in caplog.text
+    with pytest.raises(ValueError, match=r"--max-model-len 10000000 \(the model's context: 8192\) is larger than "
+                                         r"the 4000 tokens"):
+        fit_max_model_len(10_000_000, 8192, 4000, 2**20)
+    with pytest.raises(ValueError, match=r"^--max-model-len 5000 is larger than the 4000 tokens"):
+        fit_max_model_len(5000, 8192, 4000, 2**20)
+    assert fit_max_model_len(None, 8192, 4000, 2**20) == 4000  # unasked: what fits, with a warning

@@ -28,14 +28,15 @@ def check_device_memory(name: str, nbytes: int, device_bytes: int | None) -> Non
 
 def fit_max_model_len(requested: int | None, model_len: int, kv_tokens: int, kv_cache_memory: int) -> int:
     """The model length limit the scheduler gets: min(requested or model context, model context, KV capacity)."""
-    if requested is not None and requested > kv_tokens:
-        raise ValueError(f"--max-model-len {requested} is larger than the {kv_tokens} tokens the KV cache can "
-                         f"store (--kv-cache-memory {kv_cache_memory} bytes): raise --kv-cache-memory or lower "
-                         f"--max-model-len")
-    if requested is not None and requested > model_len:
+    if requested is not None and requested > model_len:  # first: past the context, more KV would not help
         logger.warning("--max-model-len %d is longer than the model's context (%d tokens): using %d",
                        requested, model_len, model_len)
     wanted = min(requested or model_len, model_len)
+    if requested is not None and wanted > kv_tokens:
+        asked = f"{requested}" + (f" (the model's context: {wanted})" if wanted != requested else "")
+        raise ValueError(f"--max-model-len {asked} is larger than the {kv_tokens} tokens the KV cache can "
+                         f"store (--kv-cache-memory {kv_cache_memory} bytes): raise --kv-cache-memory or lower "
+                         f"--max-model-len")
     if wanted > kv_tokens:
         logger.warning("max_model_len is %d tokens, not the model's %d: that is all the KV cache holds "
                        "(--kv-cache-memory %d bytes); raise --kv-cache-memory for longer sequences",
