@@ -40,7 +40,7 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice or "
                              f"grammar, got {given or 'none'}")
-        if given[0] in ("regex", "grammar") and not self.regex and not self.grammar:
+        if getattr(self, given[0]) == "":  # a regex or a grammar
             raise ValueError(f"structured_outputs.{given[0]} must be a non-empty string")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")

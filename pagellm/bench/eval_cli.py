@@ -88,16 +88,15 @@ def run_eval(ns: argparse.Namespace) -> int:
               "platform": None, "baseline": config_of(base_args), "settings": settings, "results": []}
     done = _previous_rows(ns.json, report) if ns.matrix else {}
     # the paths of what will run (a resumed matrix's finished rows do not, and their models may be gone)
-    pending = [args for name, args in runs if (name, json.dumps(config_of(args), sort_keys=True)) not in done]
+    pending = [args for name, args in runs if _row_key(name, config_of(args)) not in done]
     for args in ([base_args] if pending else []) + pending:
         check_paths(args)
     report["platform"] = get_platform("cpu").summary_line()
     print(report["platform"], flush=True)
     ref = None
     for name, args in runs:
-        key = json.dumps(config_of(args), sort_keys=True)
-        if (name, key) in done:
-            row = done[(name, key)]
+        row = done.get(_row_key(name, config_of(args)))
+        if row is not None:
             print(f"{name}: kept from {ns.json}", flush=True)
         else:
             if ref is None:
@@ -160,8 +159,12 @@ def _previous_rows(path: str | None, report: dict) -> dict:
         return {}
     if old.get("baseline") != report["baseline"] or old.get("settings") != report["settings"]:
         return {}
-    return {(r["name"], json.dumps(r["config"], sort_keys=True)): r for r in old.get("results", [])
-            if all(f in r for f in EVAL_FIELDS)}
+    return {_row_key(r["name"], r["config"]): r for r in old.get("results", []) if all(f in r for f in EVAL_FIELDS)}
+
+
+def _row_key(name: str, config: dict) -> tuple[str, str]:
+    """A row's identity across runs: its name and its configuration."""
+    return name, json.dumps(config, sort_keys=True)
 
 
 def _write(path: str, report: dict) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -37,6 +36,7 @@ from importlib import resources
 import torch
 
 from pagellm.config import EngineArgs
+from pagellm.model.loader import resolve_model_path
 from pagellm.sampling_params import SamplingParams
 
 # The figures every result carries (the JSON's contract; tests/test_eval_quality.py checks them).
@@ -147,8 +147,8 @@ def check_paths(args: EngineArgs) -> None:
     """A configuration's model and tokenizer paths exist (a matrix row's own "model" too): checked for every
     row that will run before the baseline spends its minutes."""
     for what, path in (("model", args.model), ("tokenizer", args.tokenizer)):
-        if path is not None and not os.path.exists(os.path.expanduser(str(path))):
-            raise ValueError(f"{what} {path!r} not found: pass a local .gguf file or Hugging Face model directory")
+        if path is not None:
+            resolve_model_path(path, what)
 
 
 def _load(args: EngineArgs):

@@ -46,14 +46,15 @@ def default_model_path() -> str:
     )
 
 
-def resolve_model_path(model: str | None) -> str:
-    """None -> the bundled SmolLM2 GGUF; otherwise an existing local .gguf file or HF directory."""
+def resolve_model_path(model: str | None, what: str = "model") -> str:
+    """None -> the bundled SmolLM2 GGUF; otherwise an existing local .gguf file or HF directory (`what` names
+    it in the error: "model", "tokenizer", ...)."""
     if model is None:
         return default_model_path()
     path = os.path.expanduser(str(model))
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"model {model!r} not found: pass a local .gguf file or Hugging Face model directory "
+            f"{what} {model!r} not found: pass a local .gguf file or Hugging Face model directory "
             "(hub ids cannot be downloaded; there is no network access)"
         )
     return os.path.abspath(path)
