@@ -9,9 +9,15 @@ after; the later ones 345-390) come from:
 
 --warm TOKENS: one prompt of that many tokens first (the session ran 300, 700, 1,100, 1,500 and 2,048: from
 1,100 tokens, past the AMX products' 1,024 rows, it takes the first big step's extra cost).
+
+--noise DUTY: beside the run, a process that spins 0.5 ms at a time and sleeps the rest, using DUTY of one core
+(the thirty-second session's 0.1: 2,048-token steps 356-409 -> 416-438 ms, as a server's own API process and a
+benchmark client take CPU from the engine core's OpenMP team).
 """
 
 import argparse
+import subprocess
+import sys
 import time
 
 from pagellm import LLM, SamplingParams
@@ -22,7 +28,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--warm", type=int, default=0, metavar="TOKENS")
     ap.add_argument("--steps", type=int, default=16, help="steps to list (default 16)")
+    ap.add_argument("--noise", type=float, default=0.0, metavar="DUTY", help="a spinning process beside the run "
+                    "using this fraction of one core (0 < DUTY <= 1)")
     ns = ap.parse_args()
+    noise = subprocess.Popen([sys.executable, "-c", NOISE, str(ns.noise)]) if ns.noise else None
+    try:
+        run(ns)
+    finally:
+        if noise is not None:
+            noise.kill()
+
+
+# spin 0.5 ms, sleep so that the spinning is DUTY of the time
+NOISE = """import sys, time
+duty, spin = float(sys.argv[1]), 0.0005
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < spin:
+        pass
+    time.sleep(spin * (1 - duty) / duty)
+"""
+
+
+def run(ns: argparse.Namespace) -> None:
     llm = LLM(None, dtype="auto", enable_prefix_caching=False)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     if ns.warm:

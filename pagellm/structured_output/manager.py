@@ -18,8 +18,8 @@ _CACHE_ENTRIES = 512  # compiled grammars kept (LRU); each holds its token-mask 
 _CACHE_BYTES = 256 << 20  # and at most this much of them (xgrammar's own count, memory_size_bytes)
 # The longest spec compiled (a schema's JSON text, a regex, a grammar, the choices' total length): xgrammar's
 # compile time grows faster than the spec, and a compile cannot be stopped once started. Choice lists on
-# SmolLM2's vocabulary (a scratch loop, benchmarks/NOTES.md, thirty-second session): 41 KB 0.03 s, 65-125 KB
-# 0.06-2.4 s, 150 KB 2.2-3.6 s, 310 KB 10-16 s.
+# SmolLM2's vocabulary (benchmarks/microbench_grammar_compile.py; NOTES, thirty-second session): 41 KB 0.03 s,
+# 65-125 KB 0.06-2.4 s, 150 KB 0.5-3.6 s, 310 KB 10-16 s.
 MAX_SPEC_CHARS = 131_072
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: ": noise to a client.
 _XGR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
