@@ -67,7 +67,7 @@ class Sampler:
         raw_logprobs = log_softmax(logits) if want_logprobs else None
         # Rows without penalties, biases or masks read the logits as they are (no float32 copy; nothing below
         # writes to x then: _sample copies where it filters).
-        untouched = logits.dtype == torch.float32 and not any(self._needs_processing(r) for r in rows)
+        untouched = self.untouched(logits, rows)
         x = logits if untouched else self.process(logits, rows)
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
@@ -98,6 +98,10 @@ class Sampler:
         _apply_min_tokens(x, rows, self.eos_token_ids)
         _apply_penalties(x, rows)
         return x
+
+    def untouched(self, logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+        """Whether process() would return an unchanged float32 copy: the logits can be read as they are."""
+        return logits.dtype == torch.float32 and not any(self._needs_processing(r) for r in rows)
 
     def _needs_processing(self, row: SamplingRow) -> bool:
         p = row.params

@@ -99,9 +99,12 @@ class StepSampler:
         greedy = [w for w in work if w[0].request.params.greedy]
         argmax: dict[str, tuple[list[int], list[bool] | None]] = {}
         if greedy:
-            idx = to_device([r for w in greedy for r in w[1]], logits.device)
+            idx = [r for w in greedy for r in w[1]]
             greedy_rows = [r for w in greedy for r in w[2]]
-            x = self.sampler.process(logits[idx], greedy_rows)
+            # (every row greedy and unprocessed, as in a plain n-gram run: read the logits without a copy)
+            x = logits if idx == list(range(logits.shape[0])) else logits[to_device(idx, logits.device)]
+            if not self.sampler.untouched(x, greedy_rows):
+                x = self.sampler.process(x, greedy_rows)
             best, dead = argmax_rows(x).tolist(), dead_rows(x, greedy_rows)
             at = 0
             for s, rows, _ in greedy:

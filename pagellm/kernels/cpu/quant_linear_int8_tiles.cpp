@@ -30,10 +30,13 @@ namespace {
 
 constexpr int COLS = 16, BLOCK = 32;
 // Up to this many rows the VNNI path runs, past it the tiles where the build and the OS have them. A decode
-// step's 121 products (30 layers + LM head, cold weights) on the Xeon VM, VNNI vs tiles, ms: 1 row 3.2 vs 6.5,
-// 5 5.1 vs 8.4, 8 8.3 vs 9.7, 10 9.4 vs 9.8, 12 11.2 vs 9.9, 16 13.0 vs 10.6 (the tiles wait on each block's
-// sums before its float work, which grows with the rows: benchmarks/NOTES.md, sixteenth session).
-constexpr int VNNI_MAX_ROWS = 10;
+// step's 121 products (30 layers + LM head, cold weights) on the Xeon VM, VNNI vs tiles, ms, two runs
+// (benchmarks/microbench_int8_tiles.py 10 12 16 20 24 28 32): 10 rows 10.6-10.8 vs 12.8-13.4, 16 15.0-15.4 vs
+// 15.6-16.3, 20 18.0-18.4 vs 20.3-20.4, 24 20.8-21.0 vs 22.3-23.3, 28 23.5-23.6 vs 22.9-23.4, 32 26.8-27.1 vs
+// 24.7-25.3. The tiles wait on each block's sums before its float work (computing a chunk of sums ahead did
+// not help: the tile stores and loads are the cost), and VNNI's passes of up to 6 rows made it cheaper
+// (the sixteenth session had the crossover at 10-12 rows).
+constexpr int VNNI_MAX_ROWS = 24;
 
 template <bool Q8>
 constexpr int CODE_BYTES = Q8 ? 512 : 256;  // one (strip, block)
