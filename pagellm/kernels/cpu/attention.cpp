@@ -291,6 +291,7 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores, Toke
 }  // namespace
 
 #include "attention_grouped.h"
+#include "attention_spans.h"
 
 namespace {
 
@@ -310,11 +311,29 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
     const bool grouped = false;
 #endif
     std::atomic<int> next_row{0};
+    // a verification step's rows of one request walk their keys together (int8 keys on VNNI: attention_spans.h)
+    std::vector<Span> spans;
+    int span_rows = 0;  // the longest span's
+#ifdef PAGELLM_INT8_VNNI_ATTENTION
+    if (std::is_same_v<T, int8_t> && grouped && (a.D == 64 || a.D == 128)) {
+        spans = row_spans(a, T_, nthreads);
+        if ((int)spans.size() == T_) spans.clear();  // no row has a neighbour to share with
+        for (const Span& s : spans) span_rows = std::max(span_rows, s.rows);
+    }
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
         const int64_t stride = max_keys + 8;
-        std::vector<float> scores((size_t)stride * (grouped ? 4 : 1));
-        if (grouped) {
+        std::vector<float> scores((size_t)stride * (!spans.empty() ? 4 * span_rows + 1 : grouped ? 4 : 1));
+        if (!spans.empty()) {
+#ifdef PAGELLM_INT8_VNNI_ATTENTION
+            if constexpr (std::is_same_v<T, int8_t>) {
+                for_each_row(a, (int)spans.size(), next_row, [&](int n, TokenStream<T>* next) {
+                    attend_span(a, spans[n], scores.data(), stride, next);
+                }, [&](int n) { return spans[n].t0 + spans[n].rows - 1; });
+            }
+#endif
+        } else if (grouped) {
 #ifdef PAGELLM_WIDE_ATTENTION
             if constexpr (loads16<T>()) {
                 for_each_row(a, T_, next_row, [&](int t, TokenStream<T>* next) {

@@ -71,6 +71,27 @@ __attribute__((always_inline)) inline void transpose16(__m512i* r) {
     }
 }
 
+// The 16 keys' row scales (float16 after each row's D codes).
+inline __m512 key_scales16(const int8_t* const* k, int D) {
+    alignas(32) uint16_t half[16];
+    for (int i = 0; i < 16; ++i) std::memcpy(half + i, k[i] + D, 2);
+    return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half)));
+}
+
+// NG heads' exact integer sums against 16 keys to scores: float(128 s0 + s1 - bias) * qscale * key scale,
+// scores[g][start + i] for i < filled.
+template <int NG>
+inline void store_scores(const __m512i* acc0, const __m512i* acc1, const QueryCodes* qc, const float* qscale,
+                         __m512 key_scale, int filled, float* const* scores, int64_t start) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << filled) - 1);
+    for (int g = 0; g < NG; ++g) {
+        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(acc0[g], 7), acc1[g]),
+                                           _mm512_set1_epi32(qc[g].bias));
+        const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qscale[g])), key_scale);
+        _mm512_mask_storeu_ps(scores[g] + start, keep, f);
+    }
+}
+
 // Scores of NG heads against 16 keys (k[i]: key rows, D codes then the float16 scale): scores[g][start + i]
 // for i < filled (the other slots repeat a key and are not stored).
 template <int NG, int D>
@@ -90,16 +111,7 @@ inline void score16(const int8_t* const* k, int filled, const QueryCodes* qc, co
                 acc1[g] = _mm512_dpbusd_epi32(acc1[g], r[j], broadcast4(qc[g].q1 + c + 4 * j));
             }
     }
-    alignas(32) uint16_t half[16];
-    for (int i = 0; i < 16; ++i) std::memcpy(half + i, k[i] + D, 2);
-    const __m512 key_scale = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(half)));
-    const __mmask16 keep = static_cast<__mmask16>((1u << filled) - 1);
-    for (int g = 0; g < NG; ++g) {
-        const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(acc0[g], 7), acc1[g]),
-                                           _mm512_set1_epi32(qc[g].bias));
-        const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(qscale[g])), key_scale);
-        _mm512_mask_storeu_ps(scores[g] + start, keep, f);
-    }
+    store_scores<NG>(acc0, acc1, qc, qscale, key_scales16(k, D), filled, scores, start);
 }
 
 // The scores of NG query heads (h: the first one's view; the others follow it in q) against the row's keys.

@@ -181,8 +181,13 @@ inline HeadView head_view(const AttentionArgs<T>& a, int t, int head) {
 // tokens, each thread claims its next row from `counter` as it starts one, and `next` streams that row's
 // tokens (null: none; the tail may wait up to a row longer than schedule(dynamic, 1) would); else
 // schedule(dynamic, 1) and next null.
-template <typename T, typename F>
-inline void for_each_row(const AttentionArgs<T>& a, int T_, std::atomic<int>& counter, F attend) {
+// Work items other than rows (attention_spans.h) pass `row_of`: the row whose tokens stand for item n's.
+struct SameRow {
+    int operator()(int n) const { return n; }
+};
+
+template <typename T, typename F, typename RowOf = SameRow>
+inline void for_each_row(const AttentionArgs<T>& a, int T_, std::atomic<int>& counter, F attend, RowOf row_of = {}) {
     if (!a.whole_tokens) {
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < T_; ++t) attend(t, static_cast<TokenStream<T>*>(nullptr));
@@ -193,7 +198,7 @@ inline void for_each_row(const AttentionArgs<T>& a, int T_, std::atomic<int>& co
         const int n = counter.fetch_add(1);
         TokenStream<T> stream;
         if (n < T_) {
-            const HeadView v = head_view(a, n, 0);
+            const HeadView v = head_view(a, row_of(n), 0);
             stream = TokenStream<T>(a, v.table, v.first, v.pos);
         }
         attend(t, n < T_ ? &stream : nullptr);
