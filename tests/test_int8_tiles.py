@@ -76,8 +76,8 @@ def test_a_row_gives_the_same_bits_in_any_call_and_stays_near_the_float_product(
     t = int8_tiles.pack(w)
     x = torch.randn(37, 576)
     alone = torch.cat([int8_tiles.linear(x[i:i + 1], t, planes) for i in range(37)])
-    # both sides of the VNNI / tile limit, partial tiles; the VNNI passes of 5 and 6 rows (5, 6, 9 = 5 + 4)
-    for rows in (2, 5, 6, 7, 9, 10, 11, 17, 37):
+    # both sides of the VNNI / tile limit (24 / 25), partial tiles; the VNNI passes of 1-12 rows (13 = 6 + 7)
+    for rows in (2, 5, 6, 7, 9, 10, 11, 12, 13, 17, 24, 25, 37):
         assert torch.equal(int8_tiles.linear(x[:rows], t, planes), alone[:rows]), rows
     assert torch.equal(int8_tiles.linear(x, t, planes, "vnni"), alone)
     ref = reference(x, w)

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -324,12 +325,14 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
         const int64_t stride = max_keys + 8;
-        std::vector<float> scores((size_t)stride * (!spans.empty() ? 4 * span_rows + 1 : grouped ? 4 : 1));
+        std::vector<float> scores(spans.empty() ? (size_t)stride * (grouped ? 4 : 1) : 0);
         if (!spans.empty()) {
 #ifdef PAGELLM_INT8_VNNI_ATTENTION
             if constexpr (std::is_same_v<T, int8_t>) {
+                // (not zeroed: up to 33 rows of a long context; every entry read is written first)
+                const std::unique_ptr<float[]> buf(new float[(size_t)stride * (4 * span_rows + 1)]);
                 for_each_row(a, (int)spans.size(), next_row, [&](int n, TokenStream<T>* next) {
-                    attend_span(a, spans[n], scores.data(), stride, next);
+                    attend_span(a, spans[n], buf.get(), stride, next);
                 }, [&](int n) { return spans[n].t0 + spans[n].rows - 1; });
             }
 #endif

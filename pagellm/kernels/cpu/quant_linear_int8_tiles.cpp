@@ -157,9 +157,13 @@ void vnni_strip(const Rows& x, int r0, const uint8_t* codes, const float* d, con
 }
 
 // The rows in as few passes over the strip as the registers allow (up to MAX_PASS_ROWS each, the passes even:
-// 5 rows one pass, 9 rows 4 + 5), since each pass unpacks every block again: a speculative step of 4 drafts
-// (5 rows) had run as 4 + 1. A row's arithmetic is the same in any pass, so its bits do not change.
-constexpr int MAX_PASS_ROWS = 6;
+// 12 rows one pass, 13 rows 6 + 7), since each pass unpacks every block again: a speculative step of 4 drafts
+// (5 rows) had run as 4 + 1. A row's arithmetic is the same in any pass, so its bits do not change. 12 rows'
+// accumulators, the block's 8 code vectors and 4 sums fit the 32 registers. One decode step's 121 products
+// (benchmarks/microbench_int8_tiles.py, builds alternating, ms): up to 6 rows a pass -> up to 8: 7 rows
+// 8.9-9.3 -> 7.5-7.7, 8 rows 9.1-9.3 -> 7.9-8.2; up to 10: 9 rows 9.6-9.8 -> 8.6-8.7, 10 rows 10.1-10.3 ->
+// 9.2-9.4; up to 12: 11 rows 10.9-11.1 -> 10.5, 12 rows 11.4-11.7 -> 10.8-11.1.
+constexpr int MAX_PASS_ROWS = 12;
 
 template <int Planes, bool Q8>
 void vnni_rows(const Rows& x, const uint8_t* codes, const float* d, const float* m, float* y, int64_t ldy) {
@@ -167,6 +171,12 @@ void vnni_rows(const Rows& x, const uint8_t* codes, const float* d, const float*
     for (int p = 0, r = 0; p < passes; ++p) {
         const int n = (x.M - r) / (passes - p);  // the remaining rows spread evenly over the remaining passes
         switch (n) {
+            case 12: vnni_strip<12, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            case 11: vnni_strip<11, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            case 10: vnni_strip<10, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            case 9: vnni_strip<9, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            case 8: vnni_strip<8, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
+            case 7: vnni_strip<7, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
             case 6: vnni_strip<6, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
             case 5: vnni_strip<5, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
             case 4: vnni_strip<4, Planes, Q8>(x, r, codes, d, m, y, ldy); break;
