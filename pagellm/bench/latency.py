@@ -114,6 +114,12 @@ def run_latency(ns: argparse.Namespace) -> int:
     spec_method = args.get("speculative_method")
     rows = [_batch_row(args, ns, batch) for batch in ns.batch_sizes]
     _print_table(rows, spec_method)
+    parted = [r["batch_size"] for r in rows if r.get("speculative") and not r["speculative"]["identical_output"]]
+    if parted and ns.task == "random":  # (the grounded task's requests are one prompt: they finish together)
+        print(f"note: outputs parted at batch {', '.join(map(str, parted))}. Drafts never change a step's "
+              "arithmetic, but its rows do (under --dtype auto int8 products up to 6 rows, bf16 above): "
+              "speculation makes different prompts finish at different steps, so later steps run fewer rows "
+              "than the plain run's, and near-tie tokens may part there")
     rl = _roofline(rows, spec_method, args["model"], args.get("num_threads"))
     for r in rows:  # token ids only served the identity check
         for k in ("baseline", "speculative"):
