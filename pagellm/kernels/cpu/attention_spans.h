@@ -43,6 +43,9 @@ inline std::vector<Span> row_spans(const AttentionArgs<T>& a, int T_, int nthrea
         big->rows /= 2;
         spans.insert(big + 1, tail);
     }
+    // the longest first: the threads take items in order, and a long span left for last (a short prefill
+    // chunk's rows come after the decode rows) kept one thread busy while the other waited
+    std::stable_sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.rows > y.rows; });
     return spans;
 }
 
