@@ -117,6 +117,9 @@ def test_plan_cli_exit_status_is_the_answer():
             "--max-num-seqs", "32"]
     no = subprocess.run([*base, "--gpu", "h100-80gb"], capture_output=True, text=True, timeout=60)
     assert no.returncode == 1 and "fits: no" in no.stdout and "smallest TP x PP that fits: TP 4 x PP 1" in no.stdout
+    # no negative KV size in the text: the weights of 70B in bf16 (~141 GB) are over an 80 GB budget
+    kv_line = next(line for line in no.stdout.splitlines() if "KV cache per rank" in line)
+    assert "0.000 GB (weights and workspace exceed the budget by" in kv_line and "-" not in kv_line
     no_json = subprocess.run([*base, "--gpu", "h100-80gb", "--json"], capture_output=True, text=True, timeout=60)
     assert no_json.returncode == 1 and json.loads(no_json.stdout)["smallest_fitting"] == {"tp": 4, "pp": 1}
     yes = subprocess.run([*base, "--gpu", "h100-80gb", "--tp", "4"], capture_output=True, text=True, timeout=60)

@@ -113,14 +113,15 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 
 def format_plan(r: MemoryPlan, label: str, smallest: tuple[int, int] | None) -> str:
-    gb = 1e9
+    gb, kv = 1e9, r.kv_cache_bytes_per_rank  # (negative where the weights alone do not fit)
     lines = [
         f"model {r.model}: TP {r.tensor_parallel_size} x PP {r.pipeline_parallel_size} on {label} "
         f"({r.device_bytes / gb:.1f} GB, utilization {r.gpu_memory_utilization:.2f}), {r.dtype} weights, "
         f"{r.kv_cache_dtype} KV",
         f"  weights per rank        {r.weights_bytes_per_rank / gb:10.3f} GB",
         f"  workspace per rank      {r.workspace_bytes_per_rank / gb:10.3f} GB (estimate)",
-        f"  KV cache per rank       {r.kv_cache_bytes_per_rank / gb:10.3f} GB",
+        f"  KV cache per rank       {max(kv, 0) / gb:10.3f} GB"
+        + ("" if kv >= 0 else f" (weights and workspace exceed the budget by {-kv / gb:.3f} GB)"),
         f"  KV per token per rank   {r.kv_bytes_per_token_per_rank:10d} bytes",
         f"  KV per sequence         {r.kv_bytes_per_sequence / gb:10.3f} GB ({r.max_model_len} tokens)",
         f"  KV blocks / tokens      {r.kv_blocks:10d} / {r.kv_tokens} (block {r.block_size})",
