@@ -4,8 +4,10 @@
 
 1. Batched decode: 64 rows (one per request) over 300 keys each, float32 vs float16 vs int8 KV cache; then
    the same rows over 30 caches in turn (float16 and int8) (out of the L3 cache, as in an engine step).
-2. int8 KV at longer contexts and few rows (1 x 2,000, 5 x 2,000, 16 x 1,000 keys, in cache).
-3. Prefill chunks: the kernel vs the SDPA reference path (`TorchSdpaReferenceAttention.attend`), which is what
+2. Verification rows: requests of 1, 2 or 5 rows at consecutive positions over 450 keys (int8, 30 caches in
+   turn), against as many one-row requests.
+3. int8 KV at longer contexts and few rows (1 x 2,000, 5 x 2,000, 16 x 1,000 keys, in cache).
+4. Prefill chunks: the kernel vs the SDPA reference path (`TorchSdpaReferenceAttention.attend`), which is what
    `CpuPagedAttention.max_native_queries` chooses between. Milliseconds, median of 7.
 Run it alone: the machine has 2 cores.
 """
@@ -55,6 +57,26 @@ def cold_batched_decode(rows: int = 64, keys: int = 300, layers: int = 30, dtype
           f"{ms:.2f} ms per cache")
 
 
+def verification_rows(keys: int = 450, layers: int = 30) -> None:
+    """Speculative verification steps: each request's next token and its drafts are rows at consecutive positions
+    over the same keys (int8 KV, 30 caches in turn); on AVX-512 VNNI builds they walk the keys together
+    (attention_spans.h). 16 requests x 5 rows over 450 keys: 0.845 -> 0.590 ms per cache on the Xeon VM
+    (benchmarks/NOTES.md, thirty-third session)."""
+    for reqs, per_req in ((16, 1), (16, 2), (16, 5), (80, 1), (4, 1), (4, 5)):
+        per = -(-keys // BS)
+        table = torch.randperm(reqs * per).reshape(reqs, per)
+        seq = torch.arange(reqs).repeat_interleave(per_req)
+        pos, q = torch.arange(keys - per_req, keys).repeat(reqs), torch.randn(reqs * per_req, H, D)
+        caches = [quantize_rows(torch.randn(2, reqs * per, BS, KV, D), torch.int8) for _ in range(layers)]
+
+        def step(caches=caches, table=table, seq=seq, pos=pos, q=q):
+            for c in caches:
+                ops.paged_attention(q, c, table, seq, pos, None, 0.125)
+
+        print(f"{reqs} requests x {per_req} rows over {keys} keys, int8 KV, {layers} caches in turn: "
+              f"{median_ms(step) / layers:.3f} ms per cache")
+
+
 def long_contexts() -> None:
     for rows, keys in ((1, 2000), (5, 2000), (16, 1000)):
         per = -(-keys // BS)
@@ -81,5 +103,6 @@ if __name__ == "__main__":
     batched_decode()
     cold_batched_decode()
     cold_batched_decode(dtype=torch.int8)
+    verification_rows()
     long_contexts()
     prefill_chunks()
