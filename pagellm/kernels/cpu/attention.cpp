@@ -316,9 +316,9 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
     std::vector<Span> spans;
     int span_rows = 0;  // the longest span's
 #ifdef PAGELLM_INT8_VNNI_ATTENTION
-    if (std::is_same_v<T, int8_t> && grouped && (a.D == 64 || a.D == 128)) {
+    if (std::is_same_v<T, int8_t> && grouped && (a.D == 64 || a.D == 128) && has_span(a, T_)) {
         spans = row_spans(a, T_, nthreads);
-        if ((int)spans.size() == T_) spans.clear();  // no row has a neighbour to share with
+        if ((int)spans.size() == T_) spans.clear();  // split back into single rows
         for (const Span& s : spans) span_rows = std::max(span_rows, s.rows);
     }
 #endif

@@ -21,6 +21,14 @@ struct Span {
     int t0, rows;
 };
 
+// Whether two rows of one request sit at consecutive positions (decode-only steps have none: no spans built).
+template <typename T>
+inline bool has_span(const AttentionArgs<T>& a, int T_) {
+    for (int t = 1; t < T_; ++t)
+        if (a.row_seq[t] == a.row_seq[t - 1] && a.row_pos[t] == a.row_pos[t - 1] + 1) return true;
+    return false;
+}
+
 // The step's rows grouped into spans (consecutive rows of one request at consecutive positions, with the
 // same first key); then, while there are fewer spans than 2 per thread, the largest split in two, so that
 // every thread has work (a one-request verification step would otherwise run on one thread).
