@@ -102,7 +102,7 @@ class StepSampler:
             idx = [r for w in greedy for r in w[1]]
             greedy_rows = [r for w in greedy for r in w[2]]
             # (every row greedy and unprocessed, as in a plain n-gram run: read the logits without a copy)
-            x = logits if idx == list(range(logits.shape[0])) else logits[to_device(idx, logits.device)]
+            x = logits if len(idx) == logits.shape[0] else logits[to_device(idx, logits.device)]  # (idx ascending)
             if not self.sampler.untouched(x, greedy_rows):
                 x = self.sampler.process(x, greedy_rows)
             best, dead = argmax_rows(x).tolist(), dead_rows(x, greedy_rows)

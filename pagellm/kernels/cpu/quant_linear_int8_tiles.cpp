@@ -132,8 +132,8 @@ inline __m512i block_sum(const __m512i* u, const int8_t* x0, const int8_t* x1) {
 // Rows r0 .. r0 + R - 1 against one strip on AVX-512 VNNI.
 template <int R, int Planes, bool Q8>
 void vnni_strip(const Rows& x, int r0, const uint8_t* codes, const float* d, const float* m, float* y, int64_t ldy) {
-    __m512 acc[R];  // in registers only if the row loops unroll (GCC kept 6 rows' on the stack otherwise)
-#pragma GCC unroll 8
+    __m512 acc[R];  // in registers only if the row loops unroll fully (GCC kept 6 rows' on the stack otherwise)
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < x.nb; ++b) {
         const uint8_t* cb = codes + (size_t)b * CODE_BYTES<Q8>;
@@ -145,14 +145,14 @@ void vnni_strip(const Rows& x, int r0, const uint8_t* codes, const float* d, con
         __m512i u[8];
         load_codes<Q8>(cb, u);
         const __m512 dv = _mm512_loadu_ps(d + b * COLS), mv = Q8 ? dv : _mm512_loadu_ps(m + b * COLS);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
             const size_t row = (size_t)(r0 + r) * x.K + b * BLOCK;
             const __m512i s = block_sum<Planes>(u, x.q[0] + row, Planes == 2 ? x.q[1] + row : nullptr);
             acc[r] = accumulate<Q8>(acc[r], s, x, (size_t)(r0 + r) * x.nb + b, dv, mv);
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, acc[r]);
 }
 
@@ -162,7 +162,9 @@ void vnni_strip(const Rows& x, int r0, const uint8_t* codes, const float* d, con
 // accumulators, the block's 8 code vectors and 4 sums fit the 32 registers. One decode step's 121 products
 // (benchmarks/microbench_int8_tiles.py, builds alternating, ms): up to 6 rows a pass -> up to 8: 7 rows
 // 8.9-9.3 -> 7.5-7.7, 8 rows 9.1-9.3 -> 7.9-8.2; up to 10: 9 rows 9.6-9.8 -> 8.6-8.7, 10 rows 10.1-10.3 ->
-// 9.2-9.4; up to 12: 11 rows 10.9-11.1 -> 10.5, 12 rows 11.4-11.7 -> 10.8-11.1.
+// 9.2-9.4; up to 12: 11 rows 10.9-11.1 -> 10.5, 12 rows 11.4-11.7 -> 10.8-11.1; then the row loops unrolled 16
+// deep, not 8 (so that 9-12 rows unroll fully too): 11 rows 10.5 -> 9.5-9.9, 12 rows
+// 10.9-11.0 -> 10.2-10.4.
 constexpr int MAX_PASS_ROWS = 12;
 
 template <int Planes, bool Q8>
