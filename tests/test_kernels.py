@@ -297,7 +297,9 @@ def test_int8_keys_are_scored_on_vnni_where_the_build_targets_it():
 @pytest.mark.parametrize("d", [64, 128, 16])
 def test_int8_attention_keeps_a_nan_query_to_its_head(d):
     """A head whose query is not finite gets NaN outputs (as float32 products give), its neighbours do not:
-    the VNNI path rounds each head's query on its own (with d=16, the float path)."""
+    the VNNI path rounds each head's query on its own (with d=16, the float path, where an inf query's scores
+    are +-inf: exp(inf - inf) must stay NaN, which a clamp whose max/min drops NaN made ~0 for some seeds)."""
+    torch.manual_seed(1)  # a seed whose d=16 case the NaN-dropping clamp failed
     block_size, kv_heads, heads = 16, 2, 4
     cache = quantize_rows(torch.randn(2, 4, block_size, kv_heads, d), torch.int8)
     table = torch.arange(4).reshape(1, 4)
