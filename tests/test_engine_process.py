@@ -232,16 +232,21 @@ def test_the_core_exits_with_the_api_process(tiny_path, smollm_gguf_path, tmp_pa
 
 _SLOW_STEP_HOOK = '''
 import os
+import time
 
 from pagellm.engine import llm_engine
 
 _step = llm_engine.LLMEngine.step
+_t0 = time.perf_counter()
+sum(range(2_000_000))
+# ~1.5 s on any CPU: a fixed count took 0.7 s on one machine, near the 0.5 s the test tells the modes by
+_N = int(2_000_000 * 1.5 / max(time.perf_counter() - _t0, 1e-4))
 
 
 def step(self):
     # Test-only: while the trigger file exists, each step first makes one long C call that holds the GIL.
     if os.path.exists(os.environ["PAGELLM_TEST_SLOW_FILE"]):
-        sum(range(60_000_000))
+        sum(range(_N))
     return _step(self)
 
 

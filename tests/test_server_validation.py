@@ -152,7 +152,8 @@ def test_stream_options(client, server):
                              stream_options={"include_usage": True, "continuous_usage_stats": True}))
         assert all(c.usage is not None for c in chunks)
         done = [c.usage.completion_tokens for c in chunks]
-        assert done == sorted(done) and done[-1] == 6 and len(set(done)) > 2
+        # a reader that lags gets the tokens so far in one chunk (request_stream.py), so the counts may skip
+        assert done == sorted(done) and done[-1] == 6 and len(set(done)) >= 2
         assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
         plain = list(create(client, max_tokens=6, stream=True, stream_options={"include_usage": True}))
         assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
