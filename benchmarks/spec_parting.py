@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, SamplingParams, cli_types
 from pagellm.bench.common import latency_prompts
+from pagellm.config import COMPUTE_DTYPES
 
 
 def run(batch: int, dtype: str, spec: bool) -> tuple[dict[str, list[int]], list[tuple[int, dict[str, int]]]]:
@@ -36,10 +37,13 @@ def run(batch: int, dtype: str, spec: bool) -> tuple[dict[str, list[int]], list[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=cli_types.positive_int, default=16)
+    ap.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES))
     ns = ap.parse_args()
-    plain, plain_log = run(ns.batch, ns.dtype, False)
+    try:  # a dtype this CPU cannot run (float16): one line, as the CLI says it
+        plain, plain_log = run(ns.batch, ns.dtype, False)
+    except ValueError as e:
+        ap.error(str(e))
     spec, spec_log = run(ns.batch, ns.dtype, True)
     parted = 0
     for rid in sorted(plain, key=int):

@@ -20,8 +20,9 @@ import pstats
 import statistics
 import time
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, SamplingParams, cli_types
 from pagellm.bench.common import latency_prompts
+from pagellm.config import COMPUTE_DTYPES
 
 # (module file, function) -> column; cumulative time per step
 SPLIT = {("decoder.py", "forward"): "decoder", ("int8_tiles.py", "linear"): "LM head (int8 tiles)",
@@ -50,12 +51,15 @@ def _round(eng, prompts, params, k: int, tag: str, prof: cProfile.Profile | None
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--batch", type=int, nargs="+", default=[4, 16])
-    ap.add_argument("--drafts", type=int, nargs="+", default=[0, 1, 2, 4])
+    ap.add_argument("--dtype", default="auto", choices=list(COMPUTE_DTYPES))
+    ap.add_argument("--batch", type=cli_types.positive_int, nargs="+", default=[4, 16])
+    ap.add_argument("--drafts", type=cli_types.nonnegative_int, nargs="+", default=[0, 1, 2, 4])
     ns = ap.parse_args()
-    llm = LLM(None, dtype=ns.dtype, speculative_method="ngram", num_speculative_tokens=max(max(ns.drafts), 1),
-              speculative_adaptive=False)
+    try:  # a dtype this CPU cannot run (float16): one line, as the CLI says it
+        llm = LLM(None, dtype=ns.dtype, speculative_method="ngram", num_speculative_tokens=max(max(ns.drafts), 1),
+                  speculative_adaptive=False)
+    except ValueError as e:
+        ap.error(str(e))
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     print("| batch | drafts | rows | ms per step | vs plain | " + " | ".join(f"{c} ms" for c in SPLIT.values()) + " |")

@@ -79,10 +79,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="host memory for swapped-out KV blocks, e.g. 1GiB")
     g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
                    help="speculative decoding: n-gram prompt lookup or a draft model")
-    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+    # None: not given (EngineArgs.from_cli_args takes the field's default, or refuses one without a method)
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"tokens proposed per step (default {d.num_speculative_tokens})")
-    g.add_argument("--ngram-min", type=int, default=d.ngram_min, help="shortest n-gram to look up")
-    g.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest n-gram to look up")
+    g.add_argument("--ngram-min", type=int, default=None, help=f"shortest n-gram to look up (default {d.ngram_min})")
+    g.add_argument("--ngram-max", type=int, default=None, help=f"longest n-gram to look up (default {d.ngram_max})")
     g.add_argument("--draft-model", default=None, help="draft model (.gguf or HF dir) with the same vocabulary")
     g.add_argument("--draft-kv-cache-memory", default=d.draft_kv_cache_memory,
                    help="bytes for the draft model's KV cache")

@@ -117,6 +117,21 @@ def _child(engine: str, spec: dict) -> dict:
     return json.loads(proc.stdout.split(RESULT_MARKER, 1)[1])
 
 
+def test_latency_says_when_the_kv_cache_cannot_hold_the_batch(tiny_hf_model, smollm_gguf_path, tmp_path, capsys):
+    """3 blocks of 8 tokens hold one request of 10 + 6 tokens, not two: batch 2 ran one request at a time, and
+    the table said nothing of it."""
+    out_json = tmp_path / "l.json"
+    rc = main(["bench", "latency", "--model", tiny_hf_model("llama"), "--tokenizer", smollm_gguf_path,
+               "--kv-cache-memory", "12KiB", "--block-size", "8", "--num-threads", "1", "--task", "random",
+               "--input-len", "10", "--output-len", "6", "--batch-sizes", "1", "2", "--num-iters", "1",
+               "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    one, two = json.loads(out_json.read_text())["results"]
+    assert "peak_running" not in one["baseline"] and two["baseline"]["peak_running"] == 1
+    assert "note: not every request of the batch ran at once at batch 2 (baseline: at most 1 at once" in text
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
 def test_latency_with_llama_cpp_peer(smollm_gguf_path, tmp_path, capsys):
     out_json = tmp_path / "l.json"

@@ -50,7 +50,7 @@ def test_summarize_formulas_and_goodput():
 
 def test_argument_errors():
     assert parse_goodput(["ttft:200", "e2el:1e4"]) == {"ttft": 200.0, "e2el": 10000.0}
-    for bad in (["itl:5"], ["ttft"], ["tpot:-1"]):
+    for bad in (["itl:5"], ["ttft"], ["tpot:-1"], ["ttft:nan"], ["e2el:inf"]):
         with pytest.raises(ValueError, match="--goodput"):
             parse_goodput(bad)
     assert parse_dataset(["sharegpt-json", "x.json"]) == ("sharegpt-json", "x.json")
@@ -220,6 +220,9 @@ def test_url_or_peer():
         main_raising(["bench", "serve", "--peer", "pagellm", "--url", "http://127.0.0.1:1"])
     with pytest.raises(ValueError, match="--serve-args '--no-such-option': not options of pagellm serve"):
         main_raising(["bench", "serve", "--peer", "pagellm", "--serve-args=--no-such-option"])
+    for bad in ("nan", "0", "-1"):  # nan ran the whole benchmark; 0 and -1 launched a server, then gave up
+        with pytest.raises(SystemExit):
+            main_raising(["bench", "serve", "--peer", "pagellm", "--launch-timeout", bad])
     # a rate that spreads the requests over more than a day would wait (decades at 1e-9) instead of running
     with pytest.raises(ValueError, match="more than a day: give at least"):
         main_raising(["bench", "serve", "--url", "http://127.0.0.1:1", "--request-rate", "1e-9"])

@@ -40,6 +40,23 @@ def test_durations_bursts_and_the_loopback_rule():
     r = subprocess.run([sys.executable, "-m", "pagellm.cli", "bench", "soak", "--url", "http://192.168.1.5:8000"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "loopback" in r.stderr and "Traceback" not in r.stderr
+    for bad in ("inf", "nan", "0", "1e99h", "31d"):
+        with pytest.raises(Exception, match="positive and at most 30 days|is not a duration"):
+            parse_duration(bad)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--rate", "inf"], "--rate: expected a finite number"),  # was an OverflowError traceback
+    (["--rate", "nan"], "--rate: expected a finite number"),
+    (["--duration", "nan"], "--duration: duration 'nan' must be positive"),
+    (["--max-requests", "0"], "--max-requests: must be >= 1"),
+    (["--disconnect-frac", "abc"], "'abc' is not a fraction"),
+    (["--burst", "5@20m"], "--burst 5@1200s: after the soak's --duration of 600 s"),  # would never fire
+])
+def test_soak_options_refused_in_one_line(args, says):
+    r = subprocess.run([sys.executable, "-m", "pagellm.cli", "bench", "soak", "--url", "http://127.0.0.1:9", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_the_mix_draws_every_kind_and_stays_within_the_context():

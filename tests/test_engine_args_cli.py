@@ -39,6 +39,17 @@ def test_every_flag_reaches_its_field():
     assert not parse("--no-enable-chunked-prefill").enable_chunked_prefill
 
 
+@pytest.mark.parametrize("flag,value", [("--num-speculative-tokens", "4"), ("--ngram-min", "2"), ("--ngram-max", "3"),
+                                        ("--speculative-disable-by-batch-size", "2")])
+def test_speculation_options_without_a_method_are_refused(flag, value):
+    """They were ignored in silence (vLLM refuses num_speculative_tokens without a method or model)."""
+    with pytest.raises(ValueError, match=f"{flag}: read only with --speculative-method"):
+        parse(flag, value)
+    args = parse("--speculative-method", "ngram", flag, value)
+    assert getattr(args, flag[2:].replace("-", "_")) == int(value)
+    assert parse("--speculative-method", "ngram").num_speculative_tokens == EngineArgs().num_speculative_tokens
+
+
 def test_from_cli_args_ignores_other_attributes():
     assert EngineArgs.from_cli_args(argparse.Namespace(model="x", prompt="hi", json=True)) == EngineArgs(model="x")
 

@@ -81,8 +81,11 @@ def timed_latency_run(llm, prompts: list[list[int]], output_len: int, ignore_eos
         eng.add_request(f"lat-{time.monotonic_ns()}-{i}", p, params)
     first: dict[str, float] = {}
     final = {}
+    peak = 0  # requests running at once: fewer than the batch where the KV cache cannot hold it
     while eng.has_unfinished_requests():
-        for out in eng.step():
+        outs = eng.step()
+        peak = max(peak, len(eng.scheduler.running))
+        for out in outs:
             now = time.perf_counter()
             if out.outputs[0].token_ids and out.request_id not in first:
                 first[out.request_id] = now
@@ -93,7 +96,7 @@ def timed_latency_run(llm, prompts: list[list[int]], output_len: int, ignore_eos
     ttft = statistics.mean(first[r] - t0 for r in final)
     decode_time = end - min(first.values())
     return {"ttft_s": ttft, "decode_tok_s": (n_out - len(final)) / max(decode_time, 1e-9),
-            "output_tokens": n_out, "token_ids": [final[r][1] for r in sorted(final)]}
+            "output_tokens": n_out, "token_ids": [final[r][1] for r in sorted(final)], "peak_running": peak}
 
 
 def throughput_roofline(cfg, workload, results: list[dict]) -> dict:

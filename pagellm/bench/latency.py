@@ -44,9 +44,9 @@ def _engine(engine_kwargs: dict, ns, batch: int):
     return llm, prompts, _spec_counts(llm)
 
 
-def _spec_counts(llm) -> tuple[int, int, int]:
+def _spec_counts(llm) -> tuple[int, int, int, int]:
     st = llm.engine.scheduler.stats
-    return st.num_draft_tokens, st.num_accepted_tokens, st.num_spec_steps
+    return st.num_draft_tokens, st.num_accepted_tokens, st.num_spec_steps, st.num_preemptions
 
 
 def _summary(llm, prompts: list[list[int]], counts_before: tuple, runs: list[dict], batch: int) -> dict:
@@ -63,7 +63,12 @@ def _summary(llm, prompts: list[list[int]], counts_before: tuple, runs: list[dic
         "_bytes": bytes_,
     }
     # drafts counted over the timed runs only
-    drafts, accepted, spec_steps = (now - b for now, b in zip(_spec_counts(llm), counts_before, strict=True))
+    drafts, accepted, spec_steps, preempted = (now - b for now, b in zip(_spec_counts(llm), counts_before, strict=True))
+    if preempted:
+        res["preemptions"] = preempted
+    peak = min(r["peak_running"] for r in runs)
+    if peak < batch or preempted:  # requests waited: the figures are not those of a batch of this size
+        res["peak_running"] = peak
     if drafts:
         res["draft_tokens"] = drafts
         res["accepted_tokens"] = accepted
@@ -120,6 +125,11 @@ def run_latency(ns: argparse.Namespace) -> int:
               "arithmetic, but its rows do (under --dtype auto int8 products up to 6 rows, bf16 above): "
               "speculation makes different prompts finish at different steps, so later steps run fewer rows "
               "than the plain run's, and near-tie tokens may part there")
+    short = [f"{r['batch_size']} ({k}: at most {r[k]['peak_running']} at once, {r[k].get('preemptions', 0)} "
+             "preemptions)" for r in rows for k in ("baseline", "speculative") if "peak_running" in r.get(k, {})]
+    if short:
+        print(f"note: not every request of the batch ran at once at batch {', '.join(short)}: the KV cache (or "
+              "the step's token budget) held fewer; raise --kv-cache-memory to measure that batch size")
     rl = _roofline(rows, spec_method, args["model"], args.get("num_threads"))
     for r in rows:  # token ids only served the identity check
         for k in ("baseline", "speculative"):

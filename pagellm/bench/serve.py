@@ -107,8 +107,8 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
             slos[key] = float(value)
         except ValueError:
             raise ValueError(f"--goodput: {item!r} is not KEY:MILLISECONDS") from None
-        if slos[key] <= 0:
-            raise ValueError(f"--goodput: {item!r} must be positive")
+        if not 0 < slos[key] < float("inf"):  # nan too
+            raise ValueError(f"--goodput: {item!r} must be a positive number of milliseconds")
     return slos
 
 

@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from pagellm import cli_types
+
 SERVERS = ("pagellm", "vllm")
 HOST = "127.0.0.1"
 STOP_GRACE_S = 30.0
@@ -50,7 +52,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="vLLM's safetensors copy of the model (default: smollm2-135m-f32 next to vLLM's venv)")
     g.add_argument("--peer-dtype", default=None, choices=["float32", "bfloat16"],
                    help="vLLM's --dtype (default bfloat16); pagellm's comes from --serve-args")
-    g.add_argument("--launch-timeout", type=float, default=600.0, metavar="SECONDS",
+    g.add_argument("--launch-timeout", type=cli_types.positive_seconds, default=600.0, metavar="SECONDS",
                    help="how long a launched server may take to answer /health (default 600)")
 
 

@@ -31,6 +31,9 @@ UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 _IDLE_SETTLE_S = 2.0  # idle time before an RSS reading (see settle)
 
 
+MAX_DURATION = 30 * 86400.0
+
+
 def parse_duration(text: str) -> float:
     """'90', '90s', '10m', '1.5h' -> seconds."""
     t = text.strip().lower()
@@ -39,8 +42,8 @@ def parse_duration(text: str) -> float:
         value = float(t[:-1] if scale else t) * (scale or 1.0)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration such as 90s, 10m or 1h") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"duration {text!r} must be positive")
+    if not 0 < value <= MAX_DURATION:  # nan and inf too: a soak that never ends is a typo
+        raise argparse.ArgumentTypeError(f"duration {text!r} must be positive and at most 30 days")
     return value
 
 
@@ -53,7 +56,10 @@ def parse_burst(text: str) -> tuple[int, float]:
 
 
 def _fraction(text: str) -> float:
-    v = float(text)
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1]") from None
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"{text} is not a fraction in [0, 1]")
     return v
@@ -79,8 +85,9 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
                    help="length of the soak phase, e.g. 60s, 10m, 1h (default 10m)")
     p.add_argument("--warmup", type=parse_duration, default=None,
                    help="warm-up traffic before the RSS reference (default: 10%% of --duration, 5 s to 60 s)")
-    p.add_argument("--rate", type=float, default=2.0, help="mean requests/s, Poisson arrivals (default 2)")
-    p.add_argument("--max-concurrency", type=int, default=32,
+    p.add_argument("--rate", type=cli_types.positive_number, default=2.0,
+                   help="mean requests/s, Poisson arrivals (default 2)")
+    p.add_argument("--max-concurrency", type=cli_types.positive_int, default=32,
                    help="at most this many regular requests in flight; bursts come on top (default 32)")
     p.add_argument("--burst", type=parse_burst, action="append", default=None, metavar="N@T",
                    help="N requests at once, T into the soak phase (repeatable; default 100 at half time)")
@@ -97,7 +104,7 @@ def add_soak_args(p: argparse.ArgumentParser) -> None:
                    help="a request without a final answer after this long counts as lost (default 5m)")
     p.add_argument("--drain-timeout", type=parse_duration, default=parse_duration("2m"),
                    help="how long the server may take to go idle after the traffic (default 2m)")
-    p.add_argument("--max-requests", type=int, default=None,
+    p.add_argument("--max-requests", type=cli_types.positive_int, default=None,
                    help="cap on requests sent (default: 3 x rate x (warm-up + duration) + bursts + 1000)")
     p.add_argument("--max-rss-drift", type=cli_types.nonnegative_number, default=0.05,
                    help="allowed RSS growth from after warm-up to after drain (default 0.05 = 5%%)")
@@ -316,6 +323,10 @@ def run_soak(ns: argparse.Namespace) -> int:
         raise ValueError(f"--rate and --max-concurrency must be positive and --canaries in 0..{len(CANARY_PROMPTS)}")
     warmup = ns.warmup if ns.warmup is not None else min(60.0, max(5.0, ns.duration / 10))
     bursts = ns.burst if ns.burst is not None else [(100, ns.duration / 2)]
+    late = [f"{n}@{at:g}s" for n, at in bursts if at >= ns.duration]
+    if late:
+        raise ValueError(f"--burst {', '.join(late)}: after the soak's --duration of {ns.duration:g} s, it would "
+                         "never fire")
     if ns.max_requests is None:
         ns.max_requests = int(3 * ns.rate * (warmup + ns.duration)) + sum(n for n, _ in bursts) + 1000
     if ns.plot:
