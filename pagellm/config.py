@@ -211,10 +211,14 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+# EngineArgs fields that only one mode reads: field -> (the mode's field, the values that turn it on, the flag
+# to give). Their CLI defaults are None, so one given without its mode is refused (see from_cli_args).
+_SPECULATING = ("speculative_method", ("ngram", "draft"), "--speculative-method ngram or draft")
+MODE_ONLY_OPTIONS = {"num_speculative_tokens": _SPECULATING, "ngram_min": _SPECULATING, "ngram_max": _SPECULATING,
+                     "speculative_disable_by_batch_size": _SPECULATING,
+                     "quantization_group_size": ("quantization", ("int4",), "--quantization int4")}
 # "auto": the platform picks per device (the engine resolves it). The default (None) is float32 on the CPU and
 # auto on a GPU (bf16 from compute capability 8.0, float16 before); float16 compute only on a GPU.
-# EngineArgs fields that only speculative decoding reads (their CLI defaults are None: see from_cli_args)
-SPECULATION_ONLY_OPTIONS = ("num_speculative_tokens", "ngram_min", "ngram_max", "speculative_disable_by_batch_size")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Weight formats (--quantization): auto reads quantization_config in config.json, or the GGUF tensor
@@ -437,14 +441,13 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         """The EngineArgs of a namespace parsed with add_cli_args (other attributes are ignored). The options that
-        only speculation reads default to None on the command line: given without --speculative-method they are
-        refused (as vLLM refuses num_speculative_tokens without a method), not silently ignored."""
+        only one mode reads (MODE_ONLY_OPTIONS) default to None on the command line: given without their mode
+        they are refused (as vLLM refuses num_speculative_tokens without a method), not silently ignored."""
         given = {k: getattr(ns, k) for k in cls.field_names() if hasattr(ns, k)}
-        spec_only = [k for k in SPECULATION_ONLY_OPTIONS if given.get(k) is not None]
-        if spec_only and given.get("speculative_method") is None:
-            flags = ", ".join("--" + k.replace("_", "-") for k in spec_only)
-            raise ValueError(f"{flags}: read only with --speculative-method ngram or draft")
-        return cls(**{k: v for k, v in given.items() if v is not None or k not in SPECULATION_ONLY_OPTIONS})
+        for k, (mode, on, flag) in MODE_ONLY_OPTIONS.items():
+            if given.get(k) is not None and given.get(mode) not in on:
+                raise ValueError(f"--{k.replace('_', '-')}: read only with {flag}")
+        return cls(**{k: v for k, v in given.items() if v is not None or k not in MODE_ONLY_OPTIONS})
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -38,7 +38,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weight format (default auto: the checkpoint's quantization_config, or the GGUF "
                         "tensor types); none: dequantize to --dtype; int8/int4: quantize a float "
                         "checkpoint at load")
-    g.add_argument("--quantization-group-size", type=int, default=d.quantization_group_size,
+    g.add_argument("--quantization-group-size", type=int, default=None,  # None: not given (from_cli_args)
                    help="--quantization int4: input columns per scale/minimum group, 32, 64 or 128 (default "
                         f"{d.quantization_group_size}); every matrix's input size must be a multiple")
     g.add_argument("--device", default=d.device, help="torch device (cpu, cuda, cuda:1, ...)")

@@ -39,15 +39,21 @@ def test_every_flag_reaches_its_field():
     assert not parse("--no-enable-chunked-prefill").enable_chunked_prefill
 
 
-@pytest.mark.parametrize("flag,value", [("--num-speculative-tokens", "4"), ("--ngram-min", "2"), ("--ngram-max", "3"),
-                                        ("--speculative-disable-by-batch-size", "2")])
-def test_speculation_options_without_a_method_are_refused(flag, value):
+@pytest.mark.parametrize("flag,value,mode", [
+    ("--num-speculative-tokens", "4", ["--speculative-method", "ngram"]),
+    ("--ngram-min", "2", ["--speculative-method", "ngram"]), ("--ngram-max", "3", ["--speculative-method", "ngram"]),
+    ("--speculative-disable-by-batch-size", "2", ["--speculative-method", "ngram"]),
+    ("--quantization-group-size", "64", ["--quantization", "int4"])])
+def test_options_of_a_mode_are_refused_without_it(flag, value, mode):
     """They were ignored in silence (vLLM refuses num_speculative_tokens without a method or model)."""
-    with pytest.raises(ValueError, match=f"{flag}: read only with --speculative-method"):
+    with pytest.raises(ValueError, match=f"{flag}: read only with {mode[0]} {mode[1]}"):
         parse(flag, value)
-    args = parse("--speculative-method", "ngram", flag, value)
+    if mode[1] == "int4":  # another mode of the same option does not read it either
+        with pytest.raises(ValueError, match=f"{flag}: read only with"):
+            parse(flag, value, "--quantization", "int8")
+    args = parse(*mode, flag, value)
     assert getattr(args, flag[2:].replace("-", "_")) == int(value)
-    assert parse("--speculative-method", "ngram").num_speculative_tokens == EngineArgs().num_speculative_tokens
+    assert parse(*mode) == EngineArgs(**{mode[0][2:].replace("-", "_"): mode[1]})  # defaults where not given
 
 
 def test_from_cli_args_ignores_other_attributes():
