@@ -273,7 +273,7 @@ def main_check(ns: argparse.Namespace) -> int:
     import torch
 
     from pagellm.bench.random_model import SHAPES, write_random_llama
-    from pagellm.config import ModelConfig
+    from pagellm.model_config import ModelConfig
 
     if not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA GPU here", file=sys.stderr)

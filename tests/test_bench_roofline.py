@@ -10,7 +10,7 @@ import torch
 from pagellm.bench import roofline
 from pagellm.bench.workload import random_workload
 from pagellm.cli import main
-from pagellm.config import ModelConfig
+from pagellm.model_config import ModelConfig
 from pagellm.platforms import get_platform
 
 TINY = ["--kv-cache-memory", "4MiB", "--block-size", "8", "--num-threads", "1"]

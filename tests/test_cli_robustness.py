@@ -12,8 +12,9 @@ import pytest
 
 from pagellm import cli_types
 from pagellm.bench.report import check_outputs
-from pagellm.config import EngineArgs, ModelConfig
+from pagellm.config import EngineArgs
 from pagellm.engine.kv_sizing import check_device_memory
+from pagellm.model_config import ModelConfig
 from pagellm.quant.quantize_cli import check_options
 
 # a few CLI processes that stop at their argument checks, one tiny two-rank run: well under a minute each

@@ -285,7 +285,7 @@ def test_gpu_check_driver_imports_and_counts_flops():
     finally:
         sys.path.pop(0)
     from pagellm.bench.random_model import SHAPES
-    from pagellm.config import ModelConfig
+    from pagellm.model_config import ModelConfig
 
     assert gpu_check.build_parser().parse_args(["--models", "llama3-1b"]).w2_requests == 1024
     cfg = ModelConfig(**SHAPES["llama3-8b"])

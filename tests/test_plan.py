@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pagellm.config import ModelConfig
+from pagellm.model_config import ModelConfig
 from pagellm.plan import kv_bytes_per_token, kv_heads_per_rank, plan_memory, smallest_parallelism
 from pagellm.plan.memory import weight_bytes_per_rank
 from pagellm.plan.presets import GPUS, preset_config

@@ -14,8 +14,8 @@ import pickle
 import time
 from dataclasses import dataclass, field
 
-from pagellm.config import ModelConfig
 from pagellm.engine.request_stream import EngineSnapshot
+from pagellm.model_config import ModelConfig
 from pagellm.outputs import RequestOutput
 from pagellm.quant.kv_cache import kv_dtype_label
 from pagellm.request import RequestStatus

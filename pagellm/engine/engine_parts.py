@@ -7,13 +7,14 @@ import logging
 
 import torch
 
-from pagellm.config import EngineArgs, ModelConfig, parse_bytes
+from pagellm.config import EngineArgs, parse_bytes
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.executor.uniproc import UniprocExecutor
 from pagellm.model.attention import AttentionBackend
 from pagellm.model.loader import load_config, resolve_model_path
 from pagellm.model.loader.model_loader import get_model
 from pagellm.model.runner import ModelRunner
+from pagellm.model_config import ModelConfig
 from pagellm.plan import kv_bytes_per_token
 from pagellm.platforms import Platform
 from pagellm.platforms.base import DTYPES

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.config import EngineArgs, ModelConfig
+from pagellm.config import EngineArgs
 from pagellm.engine.kv_sizing import check_gpu_kv_budget, gpu_kv_cache_bytes, graph_pool_reserve
 from pagellm.model.memory_profile import profile_kv_caches, profile_seq_lens, profile_step
+from pagellm.model_config import ModelConfig
 from pagellm.plan import plan_memory
 from pagellm.quant.kv_cache import kv_dtype_label
 

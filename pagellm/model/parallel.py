@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagellm.config import ModelConfig
+from pagellm.model_config import ModelConfig
 from pagellm.plan import kv_heads_per_rank
 
 

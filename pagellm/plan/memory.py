@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from pagellm.config import ModelConfig
+from pagellm.model_config import ModelConfig
 
 # Bytes per element. int4 weights carry an fp16 scale and zero per group of 128 (1/32 byte per weight).
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "fp8": 1.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0,

@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from pagellm.config import KV_CACHE_DTYPES, ModelConfig, check_block_size, parse_bytes
+from pagellm.config import KV_CACHE_DTYPES, check_block_size, parse_bytes
+from pagellm.model_config import ModelConfig
 from pagellm.plan.memory import MemoryPlan, plan_memory, smallest_parallelism
 from pagellm.plan.presets import ARCHITECTURES, GPUS, preset_config
 

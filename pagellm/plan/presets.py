@@ -7,7 +7,7 @@ more, so plans err on the safe side).
 
 from __future__ import annotations
 
-from pagellm.config import ModelConfig
+from pagellm.model_config import ModelConfig
 
 ARCHITECTURES: dict[str, dict] = {
     "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

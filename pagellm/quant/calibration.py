@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagellm.config import ModelConfig
 from pagellm.model.layers.rotary import RotaryEmbedding
+from pagellm.model_config import ModelConfig
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

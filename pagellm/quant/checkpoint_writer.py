@@ -28,7 +28,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from pagellm.config import ModelConfig
+from pagellm.model_config import ModelConfig
 from pagellm.quant.algorithms.rtn import GroupQuant
 from pagellm.quant.hf_formats.awq import AWQ_ORDER  # the loader's nibble order: one definition
 

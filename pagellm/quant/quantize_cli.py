@@ -15,7 +15,8 @@ import os
 import time
 
 from pagellm import cli_types
-from pagellm.config import QUANT_GROUP_SIZES, ModelConfig
+from pagellm.config import QUANT_GROUP_SIZES
+from pagellm.model_config import ModelConfig
 
 logger = logging.getLogger("pagellm.quantize")
 METHODS = ("rtn", "gptq", "awq")

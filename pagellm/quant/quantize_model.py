@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagellm.config import ModelConfig
+from pagellm.model_config import ModelConfig
 from pagellm.quant.algorithms.awq import search_scales
 from pagellm.quant.algorithms.gptq import gptq_quantize, hessian
 from pagellm.quant.algorithms.rtn import GroupQuant, rtn_quantize

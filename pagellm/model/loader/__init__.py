@@ -12,10 +12,10 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from pagellm.config import ModelConfig
 from pagellm.model.loader.gguf_config import gguf_config
 from pagellm.model.loader.gguf_reader import GGUFFile, is_gguf
 from pagellm.model.loader.hf_loader import hf_config, iter_hf_weights
+from pagellm.model_config import ModelConfig
 from pagellm.quant.hf_formats.quant_config import METHODS as HF_QUANT_METHODS
 
 if TYPE_CHECKING:

@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 
-from pagellm.config import ModelConfig
 from pagellm.model.loader import model_checks as checks
 from pagellm.model.loader.gguf_reader import GGUFFile
 from pagellm.model.loader.model_file_error import ModelFileError
+from pagellm.model_config import ModelConfig
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 _REQUIRED = object()

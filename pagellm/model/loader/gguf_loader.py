@@ -12,8 +12,8 @@ import torch
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from pagellm.config import ModelConfig
 from pagellm.model.loader.gguf_reader import GGUFFile
+from pagellm.model_config import ModelConfig
 from pagellm.quant.formats import PACKED_SUFFIX, PackedWeight
 from pagellm.quant.gguf_blocks import PACKERS, pack_gguf_tensor
 

@@ -7,10 +7,10 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from pagellm.config import ModelConfig
 from pagellm.model.loader import model_checks as checks
 from pagellm.model.loader.model_file_error import ModelFileError
 from pagellm.model.loader.safetensors_header import read_safetensors_header
+from pagellm.model_config import ModelConfig
 from pagellm.quant.hf_formats.quant_config import HFQuantConfig, read_quant_config, resolve_quantization
 
 if TYPE_CHECKING:  # torch is imported by safetensors only when weights are actually read

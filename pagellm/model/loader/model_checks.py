@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from pagellm.config import ModelConfig
 from pagellm.model.loader.model_file_error import ModelFileError
+from pagellm.model_config import ModelConfig
 
 # Longer than any released model's context (10M); a bit-flipped length would size rotary tables by it.
 MAX_CONTEXT_LENGTH = 1 << 24

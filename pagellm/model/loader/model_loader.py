@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from pagellm.config import ModelConfig
 from pagellm.model.layers.custom_op import CustomOp
 from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.rotary import RotaryEmbedding
 from pagellm.model.loader import is_gguf_path, iter_weights
 from pagellm.model.models.llama import MODEL_REGISTRY
+from pagellm.model_config import ModelConfig
 from pagellm.platforms import Platform
 from pagellm.quant import rtn
 

@@ -11,13 +11,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagellm.config import ModelConfig
 from pagellm.model.attention import AttentionBackend, AttentionMetadata
 from pagellm.model.layers.activation import SiluAndMul
 from pagellm.model.layers.embedding import VocabEmbedding
 from pagellm.model.layers.linear import Linear
 from pagellm.model.layers.norm import RMSNorm
 from pagellm.model.layers.rotary import RotaryEmbedding
+from pagellm.model_config import ModelConfig
 from pagellm.quant.formats import PACKED_SUFFIX, PackedWeight
 
 
