@@ -35,6 +35,43 @@ def test_rejection_sampler_keeps_the_target_distribution():
     assert torch.allclose(counts / n, p, atol=0.015)
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_verification_draws_one_uniform_per_token_returned(proposer):
+    # A seeded request's generator must end where plain decoding of the same tokens leaves it, whatever the number
+    # of drafts: else its later tokens depend on how many drafts the controller, the budget or a preemption allowed.
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        p = torch.rand(5, 7, generator=g) ** 4
+        p /= p.sum(-1, keepdim=True)
+        q = torch.rand(4, 7, generator=g) + 0.1
+        q /= q.sum(-1, keepdim=True)
+        k = trial % 4 + 1
+        draft = [int(torch.multinomial(q[i] if proposer == "draft" else p[i], 1, generator=g)) for i in range(k)]
+        gen = torch.Generator().manual_seed(trial)
+        out = verify(p[:k + 1], draft, q[:k] if proposer == "draft" else None, gen)
+        plain = torch.Generator().manual_seed(trial)
+        for _ in out:
+            torch.rand(1, dtype=torch.float64, generator=plain)
+        assert 1 <= len(out) <= k + 1 and out[:-1] == draft[:len(out) - 1]
+        assert torch.equal(gen.get_state(), plain.get_state()), (trial, k, out)
+
+
+def test_ngram_verification_gives_plain_decodings_tokens():
+    # With a point-mass proposer each position's token is the plain draw with that position's uniform.
+    p = torch.tensor([[0.2, 0.5, 0.3], [0.6, 0.1, 0.3], [0.3, 0.3, 0.4]])
+    for seed in range(50):
+        gen = torch.Generator().manual_seed(seed)
+        out = verify(p, [1, 0], None, gen)
+        plain = torch.Generator().manual_seed(seed)
+        expect = []
+        for row in p:
+            u = float(torch.rand(1, dtype=torch.float64, generator=plain))
+            expect.append(int(torch.searchsorted(row.double().cumsum(0), u, right=True)))
+            if len(expect) > 2 or expect[-1] != [1, 0, None][len(expect) - 1]:
+                break
+        assert out == expect, seed
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_hf_model):
     return tiny_hf_model("llama", max_position_embeddings=1024)
@@ -84,6 +121,23 @@ def test_greedy_identity_in_mixed_batches_with_preemption(tiny, draft_dir, smoll
         assert st.num_accepted_tokens > 0
     kv = llm.engine.kv_cache
     assert kv.pool.num_free == kv.num_blocks
+
+
+def test_seeded_sampling_with_ngram_drafts_repeats_plain_decoding(tiny, smollm_gguf_path):
+    # One uniform per token, and n-gram verification is the plain draw: a seeded request gives the tokens it gives
+    # without speculation, however many drafts the budget, a preemption or the adaptive controller let through.
+    ps = repetitive_prompts(6, seed=1)
+    params = [SamplingParams(temperature=0.3, top_p=0.9, seed=100 + i, max_tokens=30, ignore_eos=True)
+              for i in range(6)]
+    expected = ids(make(tiny, smollm_gguf_path).generate(ps, params, use_tqdm=False))
+    for kw in ({}, {"max_num_batched_tokens": 7}, {"kv_cache_memory": 40 * 2 * 2 * 2 * 16 * 8 * 4},
+               {"speculative_adaptive": True}):
+        llm = make(tiny, smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, **kw)
+        assert ids(llm.generate(ps, params, use_tqdm=False)) == expected, kw
+        st = llm.engine.scheduler.stats
+        assert st.num_accepted_tokens > 0 or kw.get("speculative_adaptive"), kw
+        if "kv_cache_memory" in kw:
+            assert st.num_preemptions > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
