@@ -46,7 +46,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt  # tenants with different salts never share prefix-cache blocks
-        self.arrival_seq = next(_arrival_counter)  # tie-free priority: lower arrived earlier
+        self.arrival_seq = next(_arrival_counter)  # priority: lower arrived earlier (beams of one request tie)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
@@ -94,6 +94,7 @@ class Request:
         """A copy of this sequence plus one token, under a new id (a beam-search continuation)."""
         child = Request(request_id, self.prompt_token_ids, self.params, self.eos_token_ids, self.arrival_time,
                         self.cache_salt)
+        child.arrival_seq = self.arrival_seq  # a beam keeps its request's place: else it is the first preempted
         child.output_token_ids = self.output_token_ids + [token_id]
         child.all_token_ids = self.all_token_ids + [token_id]
         child.grammar = self.grammar.fork() if self.grammar is not None else None  # it then accepts token_id

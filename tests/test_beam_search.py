@@ -144,3 +144,24 @@ def test_beams_waiting_on_a_preempted_sibling_do_not_deadlock(tiny, smollm_gguf_
     ref = big.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
     assert engine.kv_cache.pool.num_free == engine.kv_cache.pool.num_blocks  # nothing leaked
+
+
+def test_a_beam_search_keeps_its_arrival_place_under_preemption(tiny, smollm_gguf_path):
+    # Preemption takes the latest arrival. Each beam step makes new requests: they must keep the search's place,
+    # or a search that came first is preempted before everything that came after it, at every step.
+    path, _ = tiny
+    llm = LLM(path, tokenizer=smollm_gguf_path, block_size=4, kv_cache_memory=36 * 2 * 2 * 2 * 16 * 4 * 4)
+    eng, rng = llm.engine, random.Random(0)
+    eng.add_request("first", [rng.randrange(3, 512) for _ in range(20)],
+                    SamplingParams(use_beam_search=True, beam_width=2, max_tokens=40, temperature=0, ignore_eos=True))
+    for i in range(4):
+        eng.add_request(f"later{i}", [rng.randrange(3, 512) for _ in range(20)],
+                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    order, steps = [], 0
+    while eng.has_unfinished_requests() and steps < 2000:
+        steps += 1
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert eng.scheduler.stats.num_preemptions > 0
+    assert order[0] == "first", order
+    assert llm.engine.kv_cache.pool.num_free == llm.engine.kv_cache.num_blocks
+
