@@ -272,7 +272,9 @@ def run_cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
                                     "16 tokens of 512 bytes)"),
     (["--kv-cache-memory", "64KiB", "--max-model-len", "1024"],
      "--max-model-len 1024 is larger than the 128 tokens the KV cache can store (--kv-cache-memory 65536 bytes)"),
-], ids=["below-one-block", "below-max-model-len"])
+    (["--preemption-mode", "swap", "--swap-space", "4000"],
+     "--swap-space 4000 bytes is less than one KV block (8192 bytes): swap preemption needs room for at least one"),
+], ids=["below-one-block", "below-max-model-len", "swap-below-one-block"])
 def test_kv_cache_too_small_is_refused_in_one_line(extra, expected, tiny_path, smollm_gguf_path):
     r = run_cli("serve", "--port", "0", "--model", tiny_path, "--tokenizer", smollm_gguf_path, *extra)
     assert r.returncode == 2, r.stderr[-2000:]

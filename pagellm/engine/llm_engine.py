@@ -84,6 +84,9 @@ class LLMEngine:
             check_device_memory("--kv-cache-memory", cache.kv_cache_memory, platform.total_memory())
         if args.preemption_mode == "swap":
             check_device_memory("--swap-space", args.swap_space, None)
+            if args.swap_space < self.bytes_per_block:  # no host block: every preemption would recompute, silently
+                raise ValueError(f"--swap-space {args.swap_space} bytes is less than one KV block "
+                                 f"({self.bytes_per_block} bytes): swap preemption needs room for at least one")
         if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} bytes is less than one KV block "
                              f"({self.bytes_per_block} bytes: {cache.block_size} tokens of "
@@ -111,7 +114,10 @@ class LLMEngine:
                                                             self.kv_cache.capacity_tokens, kv_memory))
         if not sched_cfg.enable_chunked_prefill:
             # Without chunking, a whole (re-)prefill must fit in one step's budget.
-            sched_cfg.max_num_batched_tokens = max(sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len)
+            if sched_cfg.max_num_batched_tokens < sched_cfg.max_model_len:
+                logger.info("max_num_batched_tokens %d -> %d (max_model_len): without chunked prefill a whole prompt "
+                            "is one step", sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len)
+                sched_cfg.max_num_batched_tokens = sched_cfg.max_model_len
         self.scheduler = Scheduler(sched_cfg, self.kv_cache, args.preemption_mode)
         self.max_model_len = sched_cfg.max_model_len
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
