@@ -1,7 +1,8 @@
 """One decode step's 121 products (30 SmolLM2-135M layers' qkv, o, gate_up, down in q4_1, and the q8_0 LM head;
 distinct random weights, so they stream from memory as in a real step) at M rows, best of 5, milliseconds:
-the natural-order two-plane int8 kernel (ops.packed_linear), the tile-order one on VNNI and on AMX-INT8 tiles
-(kernels/int8_tiles.py, the same bits), and the AMX bf16 product (kernels/amx.py). The figures in
+the natural-order two-plane int8 kernel (ops.packed_linear), the tile-order one on VNNI (two planes, and one:
+llama.cpp's scheme) and on AMX-INT8 tiles (kernels/int8_tiles.py, the same bits), the AMX bf16 product
+(kernels/amx.py) and its vdpbf16ps twin for CPUs without AMX. The figures in
 quant_linear_int8_tiles.cpp and benchmarks/NOTES.md (sixteenth session) come from:
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/microbench_int8_tiles.py 1 4 5 8 16 64
@@ -35,11 +36,15 @@ def main() -> None:
     tiles = [int8_tiles.pack(w) for w in weights]
     blocks = [amx.pack(w) for w in weights] if amx.amx_ready() else None
     paths = {"natural order": lambda x, i: ops.packed_linear(x, weights[i], ops.INT8_FINE),
-             "tiles, VNNI": lambda x, i: int8_tiles.linear(x, tiles[i], 2, "vnni")}
+             "tiles, VNNI": lambda x, i: int8_tiles.linear(x, tiles[i], 2, "vnni"),
+             "tiles, VNNI, one plane": lambda x, i: int8_tiles.linear(x, tiles[i], 1, "vnni")}
     if int8_tiles.amx_ready():
         paths["tiles, AMX-INT8"] = lambda x, i: int8_tiles.linear(x, tiles[i], 2, "tiles")
     if blocks:
         paths["AMX bf16"] = lambda x, i: amx.linear(x, blocks[i])
+    if amx.bf16dp_ready():  # what auto runs for 13-64 rows on an AVX-512 BF16 CPU without AMX (Zen 4 / Zen 5)
+        bf16_blocks = blocks or [amx.pack(w) for w in weights]
+        paths["vdpbf16ps"] = lambda x, i: amx.linear(x, bf16_blocks[i], tiles=False)
     print("rows | " + " | ".join(paths))
     for rows in [int(a) for a in sys.argv[1:]] or [1, 4, 5, 8, 16]:
         xs = {k: torch.randn(rows, k) for k in (576, 1536)}
