@@ -202,6 +202,7 @@ class EngineArgs:
 
     def __post_init__(self):
         self._check_types()
+        self._check_mode_only_options()
         gpu = str(self.device).startswith("cuda")
         if self.dtype is None:
             self.dtype = "auto" if gpu else "float32"
@@ -281,6 +282,15 @@ class EngineArgs:
                 and os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs it on the CPU, for tests
             raise ValueError("attention_backend 'triton_paged' runs on CUDA (--device cuda); on the CPU use "
                              "--attention-backend auto")
+
+    def _check_mode_only_options(self) -> None:
+        """An option that only one mode reads, set away from its default without that mode, is refused (the CLI
+        refuses it even at its default: from_cli_args); set silently, it would change nothing."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for k, (mode, on, _) in MODE_ONLY_OPTIONS.items():
+            if getattr(self, k) != defaults[k] and getattr(self, mode) not in on:
+                raise ValueError(f"{k}={getattr(self, k)!r} is read only with {mode} "
+                                 f"{' or '.join(repr(m) for m in on)}")
 
     def _check_sizes(self) -> None:
         """What a falsy value would otherwise turn into the default (`or`): 0, or an empty string."""

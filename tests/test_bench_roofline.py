@@ -149,7 +149,8 @@ def test_latency_cli_alternates_baseline_and_speculative_runs(tiny_hf_model, smo
     monkeypatch.setattr(latency, "timed_latency_run", watched)
     model, out = tiny_hf_model("llama"), tmp_path / "s.json"
     common = ["bench", "latency", "--model", model, "--tokenizer", smollm_gguf_path, *TINY, "--task", "random",
-              "--input-len", "12", "--output-len", "8", "--batch-sizes", "2", "--speculative-method", "ngram"]
+              "--input-len", "12", "--output-len", "8", "--batch-sizes", "2", "--speculative-method", "ngram",
+              "--num-speculative-tokens", "3", "--ngram-min", "1"]  # the baseline engine runs without them
     assert main([*common, "--num-iters", "2", "--json", str(out)]) == 0
     assert speculating == [False, True] + [False, True] * 2  # the warm-ups, then the timed runs in turn
     (row,) = json.loads(out.read_text())["results"]

@@ -130,8 +130,17 @@ def test_swap_preemption_without_swap_space_is_refused():
 def test_engine_args_take_numpy_numbers_cpu_n_and_check_ngrams_only_for_ngram():
     import numpy as np
 
-    args = EngineArgs(max_num_seqs=np.int64(8), enforce_eager=np.True_, device="cpu:0", ngram_max=1)
+    args = EngineArgs(max_num_seqs=np.int64(8), enforce_eager=np.True_, device="cpu:0", speculative_method="ngram",
+                      ngram_min=1, ngram_max=np.int64(1))
     assert type(args.max_num_seqs) is int and args.max_num_seqs == 8 and args.enforce_eager is True
+    assert type(args.ngram_max) is int
+    # set without a speculative method they would change nothing: refused, as on the command line
+    for kw in ({"ngram_max": 1}, {"num_speculative_tokens": 7}, {"speculative_disable_by_batch_size": 8}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* is read only with speculative_method"):
+            EngineArgs(**kw)
+    with pytest.raises(ValueError, match="quantization_group_size=64 is read only with quantization 'int4'"):
+        EngineArgs(quantization="int8", quantization_group_size=64)
+    assert EngineArgs(num_speculative_tokens=EngineArgs.num_speculative_tokens).speculative_method is None  # default
     with pytest.raises(ValueError, match="ngram_min must be in"):
         EngineArgs(speculative_method="ngram", ngram_min=0)
     with pytest.raises(ValueError, match="ngram_max must be >= 1"):

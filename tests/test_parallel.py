@@ -164,7 +164,7 @@ def test_quantized_blocks_split_at_block_boundaries(quantization, tiny_hf_model,
     """int8 (q8_0 per channel) and int4 (q4_1, groups of 32) at load: the row-parallel layers' blocks are cut
     along their input columns (32 of the tiny model's 64 per rank), read by the same packed kernels."""
     path = tiny_hf_model("llama")
-    kw = dict(quantization=quantization, quantization_group_size=32)
+    kw = dict(quantization=quantization, **({"quantization_group_size": 32} if quantization == "int4" else {}))
     one, _ = _run(path, smollm_gguf_path, PROMPTS, GREEDY, **kw)
     split, _ = _run(path, smollm_gguf_path, PROMPTS, GREEDY, tensor_parallel_size=2, **kw)
     for a, b in zip(one, split, strict=True):

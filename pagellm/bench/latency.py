@@ -11,7 +11,7 @@ import time
 from pagellm.bench import roofline
 from pagellm.bench.common import latency_prompts, latency_roofline, print_platform_line, timed_latency_run
 from pagellm.bench.report import check_outputs, plot_written, write_json
-from pagellm.config import EngineArgs
+from pagellm.config import MODE_ONLY_OPTIONS, EngineArgs
 
 
 def add_latency_parser(bsub) -> None:
@@ -81,7 +81,8 @@ def _summary(llm, prompts: list[list[int]], counts_before: tuple, runs: list[dic
 def _batch_row(args: dict, ns, batch: int) -> dict:
     """One batch size's row: the baseline engine, and with a speculative method the speculative one too (their
     engines are gone when it returns)."""
-    engines = {"baseline": _engine(dict(args, speculative_method=None, draft_model=None), ns, batch)}
+    plain = {k: v for k, v in args.items() if MODE_ONLY_OPTIONS.get(k, ("",))[0] != "speculative_method"}
+    engines = {"baseline": _engine(dict(plain, speculative_method=None, draft_model=None), ns, batch)}
     if args.get("speculative_method"):
         engines["speculative"] = _engine(args, ns, batch)
     runs: dict[str, list[dict]] = {k: [] for k in engines}
