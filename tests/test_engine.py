@@ -245,6 +245,17 @@ def test_n_greedy_samples_are_one_sequence_reported_n_times(llm):
     assert_all_blocks_free(llm)
 
 
+def test_n_greedy_samples_fit_any_max_num_seqs(make_llm):
+    # one sequence whatever n: not refused where n sampled sequences (which run at once) would be
+    small = make_llm(max_num_seqs=2)
+    ps = prompts(1, seed=15)
+    (out,) = small.generate(ps, SamplingParams(n=5, temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs) == 5 and len({tuple(c.token_ids) for c in out.outputs}) == 1
+    with pytest.raises(ValueError, match=r"n must be <= max_num_seqs \(2\)"):
+        small.generate(ps, SamplingParams(n=3, temperature=1.0, max_tokens=5), use_tqdm=False)
+    assert_all_blocks_free(small)
+
+
 def test_n_parallel_samples_and_per_prompt_params(llm):
     out = llm.generate(prompts(1, seed=10), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8),
                        use_tqdm=False)[0]

@@ -185,7 +185,8 @@ class LLMEngine:
                                                           self.model_config.vocab_size, self.max_model_len,
                                                           self.eos_token_ids)
         self._validate_prompt(prompt_ids, params)
-        if params.n > self.scheduler.config.max_num_seqs:  # checked before any sibling is queued
+        # checked before any sibling is queued; n greedy samples are one sequence (below)
+        if params.n > self.scheduler.config.max_num_seqs and not (params.greedy and not params.use_beam_search):
             raise ValueError(f"n must be <= max_num_seqs ({self.scheduler.config.max_num_seqs}): the n sequences "
                              f"run at once; got {params.n}")
         arrival_time = arrival_time or time.time()
