@@ -76,8 +76,23 @@ def test_swap_and_recompute_preemption_match_an_unpreempted_run(make_llm):
         stats = llm.engine.scheduler.stats
         assert stats.num_preemptions > 0
         assert (stats.num_swapped_out > 0) == (mode == "swap")
-        assert stats.num_swapped_in == stats.num_swapped_out
+        assert stats.num_swapped_in == stats.num_swapped_out and stats.num_swap_recomputes == 0
         assert_idle(llm)
+
+
+def test_a_swap_space_too_small_for_the_victim_recomputes_and_says_so(make_llm, caplog):
+    ps = shared_prefix_prompts(10, prefix_len=10, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    expected = ids(make_llm().generate(ps, params, use_tqdm=False))
+    block_bytes = 2 * 2 * 2 * 16 * 8 * 4
+    llm = make_llm(kv_cache_memory=30 * block_bytes, preemption_mode="swap", swap_space=block_bytes)
+    with caplog.at_level("WARNING", logger="pagellm"):
+        assert ids(llm.generate(ps, params, use_tqdm=False)) == expected
+    stats = llm.engine.scheduler.stats
+    assert stats.num_swap_recomputes > 0 and stats.num_preemptions == stats.num_swapped_out + stats.num_swap_recomputes
+    warned = [r.getMessage() for r in caplog.records if "is recomputed instead (raise --swap-space" in r.getMessage()]
+    assert len(warned) == 1, warned  # once per engine, not once per preemption
+    assert_idle(llm)
 
 
 def test_cache_salt_separates_tenants(make_llm):

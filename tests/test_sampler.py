@@ -367,3 +367,24 @@ def test_a_draft_whose_next_row_allows_nothing_is_cut_not_the_request(temperatur
     req.output_token_ids.append(a)  # now A came: after it nothing is allowed
     with pytest.raises(NoTokenAllowedError, match="^no token is allowed at output position 1"):
         step([ScheduledRequest(req, 3, [0], spec_token_ids=[b, b])], logits)
+
+
+def test_ngram_verification_draws_each_position_as_a_plain_step():
+    # A seeded request's verified tokens are the plain steps' tokens, whichever draw the plain step takes (here
+    # temperature only: the fused softmax draw, whose rounding differs from a draw on probabilities now and then,
+    # 1 in ~740 draws of 151,936 tokens: so many seeds).
+    from pagellm.core.scheduler import ScheduledRequest
+    from pagellm.request import Request
+    from pagellm.sample.step import StepSampler
+
+    step = StepSampler(Sampler([0]), torch.device("cpu"))
+    x = torch.randn(3, 151_936, generator=torch.Generator().manual_seed(0)) * 2
+    for seed in range(3000):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8)
+        plain = Request("p", [1, 2, 3], params)
+        for row in range(3):
+            plain.output_token_ids.append(step([ScheduledRequest(plain, 1, [0])], x[row:row + 1])["p"].token_id)
+        spec = Request("s", [1, 2, 3], params)
+        drafts = plain.output_token_ids[:2]
+        tokens = [t.token_id for t in step([ScheduledRequest(spec, 3, [0], spec_token_ids=drafts)], x)["s"].tokens]
+        assert tokens == plain.output_token_ids, seed

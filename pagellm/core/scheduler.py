@@ -9,6 +9,7 @@ recompute: its blocks are freed and it re-enters the front of the waiting queue.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 from pagellm.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import BlockCopies, KVCacheManager
 from pagellm.request import Request, RequestStatus
+
+logger = logging.getLogger("pagellm")
 
 
 @dataclass
@@ -49,6 +52,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_swapped_out: int = 0
     num_swapped_in: int = 0
+    num_swap_recomputes: int = 0  # swap preemptions the host pool had no room for: recomputed instead
     num_finished: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -246,6 +250,12 @@ class Scheduler:
         if self.preemption_mode == "swap" and self.kv_cache.swap_out(req):
             self.stats.num_swapped_out += 1
         else:  # recompute (or the host pool is full): drop the KV, keep the tokens
+            if self.preemption_mode == "swap":
+                if not self.stats.num_swap_recomputes:
+                    logger.warning("the swap space has no room for the %d KV blocks of preempted request %s: it "
+                                   "is recomputed instead (raise --swap-space; counted in num_swap_recomputes)",
+                                   len(self.kv_cache.block_table(req.request_id)), req.request_id)
+                self.stats.num_swap_recomputes += 1
             self.kv_cache.free(req)
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

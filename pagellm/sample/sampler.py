@@ -263,7 +263,11 @@ def _apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
 def _sample(x: torch.Tensor, rows: list[SamplingRow], writable: bool = True) -> torch.Tensor:
     """Random rows only: temperature, top-k, top-p, min-p, then a categorical draw (sample/draw.py). x is
     modified unless the rows need no filter or writable is False."""
-    u = uniforms([r.generator for r in rows], x.device)
+    return draw_rows(x, rows, uniforms([r.generator for r in rows], x.device), writable)
+
+
+def draw_rows(x: torch.Tensor, rows: list[SamplingRow], u: torch.Tensor, writable: bool = True) -> torch.Tensor:
+    """_sample with given uniforms: n-gram verification draws each position as a plain step would."""
     vocab = x.shape[1]
     if all(not 0 < r.params.top_k < vocab and r.params.top_p >= 1.0 and r.params.min_p <= 0.0 for r in rows):
         return softmax_categorical(x, [r.params.temperature for r in rows], u)

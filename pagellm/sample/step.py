@@ -15,11 +15,12 @@ from pagellm.core.scheduler import ScheduledRequest
 from pagellm.platforms.base import to_device
 from pagellm.sample.beam import beam_candidates
 from pagellm.sample.logprobs import argmax_rows, log_softmax
-from pagellm.sample.rejection import verify, verify_greedy
+from pagellm.sample.rejection import verify, verify_by_draws, verify_greedy
 from pagellm.sample.sampler import (
     Sampler,
     SamplingRow,
     dead_rows,
+    draw_rows,
     logprob_ranks,
     no_token_allowed,
     sampling_probs,
@@ -131,10 +132,14 @@ class StepSampler:
             if req.params.greedy:
                 tokens = verify_greedy(best[:len(spec) + 1], spec)
             else:
-                draft_probs = s.draft_probs.to(self.device) if s.draft_probs is not None else None
-                n = len(spec) + 1
-                tokens = verify(sampling_probs(processed[:n], sampling_rows[:n]), spec, draft_probs,
-                                sampling_rows[0].generator)
+                gen = sampling_rows[0].generator
+                if s.draft_probs is None:  # each position's token as a plain step draws it
+                    tokens = verify_by_draws(lambda i, u, x=processed, r=sampling_rows: int(
+                        draw_rows(x[i:i + 1], r[i:i + 1], u, writable=False)[0]), spec, gen, processed.device)
+                else:
+                    n = len(spec) + 1
+                    tokens = verify(sampling_probs(processed[:n], sampling_rows[:n]), spec,
+                                    s.draft_probs.to(self.device), gen)
             out[req.request_id] = self._with_logprobs(req, x, tokens)
         return out
 
