@@ -2,7 +2,8 @@
 distinct random weights, so they stream from memory as in a real step) at M rows, best of 5, milliseconds:
 the natural-order two-plane int8 kernel (ops.packed_linear), the tile-order one on VNNI (two planes, and one:
 llama.cpp's scheme) and on AMX-INT8 tiles (kernels/int8_tiles.py, the same bits), the AMX bf16 product
-(kernels/amx.py) and its vdpbf16ps twin for CPUs without AMX. The figures in
+(kernels/amx.py), its vdpbf16ps twin for CPUs without AMX, and the float32 product on dequantized slices
+(kernels/blas.py). The figures in
 quant_linear_int8_tiles.cpp and benchmarks/NOTES.md (sixteenth session) come from:
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/microbench_int8_tiles.py 1 4 5 8 16 64
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from pagellm.kernels import amx, int8_tiles, ops
+from pagellm.kernels import amx, blas, int8_tiles, ops
 from pagellm.quant.formats import PackedWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -42,6 +43,9 @@ def main() -> None:
         paths["tiles, AMX-INT8"] = lambda x, i: int8_tiles.linear(x, tiles[i], 2, "tiles")
     if blocks:
         paths["AMX bf16"] = lambda x, i: amx.linear(x, blocks[i])
+    # what float32 runs past the few-row kernels (and auto did on AVX-512 without BF16)
+    if blas.packed_matmul(torch.zeros(1, weights[0].in_features), weights[0]) is not None:
+        paths["float32 OpenBLAS"] = lambda x, i: blas.packed_matmul(x, weights[i])
     if amx.bf16dp_ready():  # what auto runs for 13-64 rows on an AVX-512 BF16 CPU without AMX (Zen 4 / Zen 5)
         bf16_blocks = blocks or [amx.pack(w) for w in weights]
         paths["vdpbf16ps"] = lambda x, i: amx.linear(x, bf16_blocks[i], tiles=False)

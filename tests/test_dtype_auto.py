@@ -65,6 +65,46 @@ def test_platform_chooses_fine_int8_activations_only_for_auto_with_avx512_vnni()
     elif p.bf16_dot_products and p.native_kernels:
         assert p.op_choices(torch.float32, False, auto=True).packed_max_rows == cpu.BF16_PACKED_MAX_ROWS
         assert p.op_choices(torch.float32, True, auto=True).packed_max_rows == cpu.INT8_PACKED_MAX_ROWS
+    # without bf16 products (AVX-512 VNNI only: Cascade Lake, Ice Lake) the two-plane products take every row
+    assert p.op_choices(torch.float32, auto=True).int8_all_rows == (
+        p.fine_int8_activations and not p.bf16_dot_products)
+    assert not p.op_choices(torch.float32, True, auto=True).int8_all_rows  # one plane: few rows only
+    assert not p.op_choices(torch.float32).int8_all_rows  # the exact mode
+    assert ("every product of q4_1/q8_0" in p.describe()["dtype"]) == (
+        p.fine_int8_activations and not p.bf16_dot_products)
+
+
+@pytest.mark.skipif(not get_platform("cpu").fine_int8_activations, reason="no AVX-512 VNNI int8 path in this build")
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@torch.no_grad()
+def test_int8_all_rows_runs_many_row_products_on_the_int8_tiles(kind):
+    """With OpChoices.int8_all_rows a layer with int8 tile-order blocks computes every row count there (the bits of
+    int8_tiles.linear, a row's the same in any call); without it, many rows take the float32 product."""
+    from test_amx import random_q4_1, random_q8_0
+
+    from pagellm.kernels import int8_tiles, ops
+    from pagellm.quant.linear_method import GGUFBlocksLinearMethod
+
+    w = (random_q4_1 if kind == "q4_1" else random_q8_0)(64, 96)
+    x = torch.randn(300, 96)
+    outs = {}
+    for all_rows in (False, True):
+        choices = OpChoices(native_ops=True, packed_kernels=True, int8_activations=ops.INT8_FINE,
+                            int8_all_rows=all_rows)
+        layer = Linear(96, 64)
+        layer.configure(choices)
+        layer.load_shard(0, w.dequantize())
+        layer.add_packed_shard(0, w)
+        layer.process_after_loading()
+        assert isinstance(layer.quant_method, GGUFBlocksLinearMethod) and layer.int8_tiles is not None
+        outs[all_rows] = layer(x)
+        if all_rows:
+            assert torch.equal(outs[True], int8_tiles.linear(x, layer.int8_tiles, ops.INT8_FINE))
+            assert torch.equal(layer(x[7:9]), outs[True][7:9])
+    ref = x @ w.dequantize().t()
+    assert not torch.equal(outs[False], outs[True])  # float32 there
+    scale = (x.abs() @ w.dequantize().abs().t()).max()
+    assert (outs[True] - ref).abs().max() <= 1e-4 * scale and (outs[False] - ref).abs().max() <= 1e-5 * scale
 
 
 def test_auto_kv_cache_is_16_or_8_bits_only_with_bf16_gemms_and_kernels_that_read_it(monkeypatch, tiny_hf_model,

@@ -38,7 +38,9 @@ class OpChoices:
     with at most this many rows (decode steps past the few-row kernels) dequantize the blocks into AMX bf16
     tiles instead (kernels/amx.py: the bf16 path's arithmetic, 0.8 / 1.1 bytes per weight read instead of 2;
     0: never); amx_on_tiles: those products run on AMX tiles (True) or, on CPUs with AVX-512 BF16 but no AMX,
-    on vdpbf16ps over the same blocks (False: the same arithmetic, cpu/quant_linear_bf16dp.cpp)."""
+    on vdpbf16ps over the same blocks (False: the same arithmetic, cpu/quant_linear_bf16dp.cpp);
+    int8_all_rows: layers whose blocks are in int8 tile order take their two-plane int8 products at every row
+    count, not only up to packed_max_rows (kernels/int8_tiles.py; where many-row products would be float32)."""
 
     native_ops: bool = False
     packed_kernels: bool = False
@@ -50,6 +52,7 @@ class OpChoices:
     bf16_prepacked: bool = False
     amx_max_rows: int = 0
     amx_on_tiles: bool = True
+    int8_all_rows: bool = False
 
     @property
     def op_impl(self) -> str:

@@ -53,6 +53,12 @@ AMX_PACKED_MAX_ROWS = 4
 # last two runs: batch 5 0.72-0.74 vs 0.64-0.66, 6 0.87 vs 0.82-0.83, 7 0.81-0.94 vs 0.88-0.93, 8 1.03-1.08 vs
 # 1.08-1.16 (benchmarks/NOTES.md, sixteenth session).
 AMX_INT8_PACKED_MAX_ROWS = 6
+# With AVX-512 VNNI but no bf16 dot products (Intel Cascade Lake, Ice Lake) auto keeps float32, and there the
+# two-plane int8 products over tile-order blocks (float32-level sums) beat the float32 GEMM on dequantized
+# slices at every row count, so they take every row (OpChoices.int8_all_rows). One decode step's 16 products of
+# four SmolLM2 layers, cold weights, on the Xeon VM, ms, OpenBLAS float32 vs int8 (benchmarks/microbench_int8_tiles.py
+# --float32): 16 rows 7.39 vs 1.40, 32 9.15 vs 2.65, 64 12.28 vs 5.33, 128 19.35 vs 10.31, 512 62.24 vs 43.42
+# (benchmarks/NOTES.md, thirty-fifth session).
 # Without AMX but with AVX-512 BF16 (AMD Zen 4 / Zen 5), many-row products of q4_1 and q8_0 blocks up to this many
 # rows run on vdpbf16ps over the same tile-order blocks (cpu/quant_linear_bf16dp.cpp) instead of oneDNN's bf16
 # product. One decode step's 120 layer products, cold weights, on the Zen 4 VM (benchmarks/microbench_amx.py
@@ -217,7 +223,8 @@ class CpuPlatform(Platform):
                          packed_weights_only=blas and packed_weights_only, bf16_gemm=bf16,
                          packed_max_rows=few_rows, bf16_prepacked=bf16 and torch.backends.mkldnn.is_available(),
                          amx_max_rows=AMX_MAX_ROWS if amx else BF16DP_MAX_ROWS if vdpbf16ps else 0,
-                         amx_on_tiles=not vdpbf16ps)
+                         amx_on_tiles=not vdpbf16ps,
+                         int8_all_rows=auto and native and not bf16 and mode == ops.INT8_FINE)
 
     @property
     def amx_tiles(self) -> bool:
@@ -366,7 +373,8 @@ class CpuPlatform(Platform):
             "kernel_isa": "-" if build is None else " ".join(build["isa"]) or "baseline x86-64",
             "dtype": f"auto -> {str(dtype).removeprefix('torch.')}" + (
                 f" activations, bf16 GEMMs above {choices.packed_max_rows} rows" if choices.bf16_gemm else "") + (
-                ", two-plane int8 activations in few-row products" if choices.int8_activations else ""),
+                "" if not choices.int8_activations else ", two-plane int8 activations in every product of q4_1/q8_0 "
+                "blocks" if choices.int8_all_rows else ", two-plane int8 activations in few-row products"),
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
