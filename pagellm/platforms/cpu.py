@@ -55,10 +55,9 @@ AMX_PACKED_MAX_ROWS = 4
 AMX_INT8_PACKED_MAX_ROWS = 6
 # With AVX-512 VNNI but no bf16 dot products (Intel Cascade Lake, Ice Lake) auto keeps float32, and there the
 # two-plane int8 products over tile-order blocks (float32-level sums) beat the float32 GEMM on dequantized
-# slices at every row count, so they take every row (OpChoices.int8_all_rows). One decode step's 16 products of
-# four SmolLM2 layers, cold weights, on the Xeon VM, ms, OpenBLAS float32 vs int8 (benchmarks/microbench_int8_tiles.py
-# --float32): 16 rows 7.39 vs 1.40, 32 9.15 vs 2.65, 64 12.28 vs 5.33, 128 19.35 vs 10.31, 512 62.24 vs 43.42
-# (benchmarks/NOTES.md, thirty-fifth session).
+# slices at every row count, so they take every row (OpChoices.int8_all_rows). A step's 121 products, cold weights,
+# on the Xeon VM, ms, OpenBLAS float32 vs two-plane int8 on VNNI (benchmarks/microbench_int8_tiles.py): 16 rows
+# 59.9 vs 13.6, 64 117.3 vs 52.4, 128 192.3 vs 103.9, 512 603.2 vs 432.4, 2,048 2,473 vs 2,026 (NOTES, 35th session).
 # Without AMX but with AVX-512 BF16 (AMD Zen 4 / Zen 5), many-row products of q4_1 and q8_0 blocks up to this many
 # rows run on vdpbf16ps over the same tile-order blocks (cpu/quant_linear_bf16dp.cpp) instead of oneDNN's bf16
 # product. One decode step's 120 layer products, cold weights, on the Zen 4 VM (benchmarks/microbench_amx.py
