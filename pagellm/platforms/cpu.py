@@ -378,7 +378,8 @@ class CpuPlatform(Platform):
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",
             "auto_many_row_gemm": ("bfloat16 x bfloat16 -> float32 (torch oneDNN); --dtype float32 keeps float32"
-                                   if choices.bf16_gemm else "float32") + (
+                                   if choices.bf16_gemm else "two-plane int8 over q4_1/q8_0 blocks (VNNI), float32 "
+                                   "for other weights" if choices.int8_all_rows else "float32") + (
                 f"; q4_1/q8_0 blocks dequantized into {'AMX bf16 tiles' if choices.amx_on_tiles else 'vdpbf16ps'}"
                 f" products up to {choices.amx_max_rows} rows"
                 if choices.amx_max_rows else ""),
