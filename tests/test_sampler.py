@@ -388,3 +388,17 @@ def test_ngram_verification_draws_each_position_as_a_plain_step():
         drafts = plain.output_token_ids[:2]
         tokens = [t.token_id for t in step([ScheduledRequest(spec, 3, [0], spec_token_ids=drafts)], x)["s"].tokens]
         assert tokens == plain.output_token_ids, seed
+
+
+def test_a_seeded_rows_draw_does_not_depend_on_its_neighbours_filters():
+    # A temperature-only row takes the fused softmax draw, a min-p row the draw on filtered probabilities; they
+    # round differently (1 token in ~740 of 151,936 differs), so the choice is per row, not per batch.
+    x = torch.randn(2, 151_936, generator=torch.Generator().manual_seed(0)) * 2
+    s = Sampler([0])
+    nucleus = SamplingParams(temperature=1.0, min_p=0.01, seed=1)
+    for seed in range(1000):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        alone = s(x[:1], [SamplingRow(params, [1], [], torch.Generator().manual_seed(seed))]).token_ids[0]
+        rows = [SamplingRow(params, [1], [], torch.Generator().manual_seed(seed)),
+                SamplingRow(nucleus, [1], [], torch.Generator().manual_seed(1))]
+        assert s(x, rows).token_ids[0] == alone, seed

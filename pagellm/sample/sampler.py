@@ -267,11 +267,21 @@ def _sample(x: torch.Tensor, rows: list[SamplingRow], writable: bool = True) -> 
 
 
 def draw_rows(x: torch.Tensor, rows: list[SamplingRow], u: torch.Tensor, writable: bool = True) -> torch.Tensor:
-    """_sample with given uniforms: n-gram verification draws each position as a plain step would."""
+    """_sample with given uniforms: n-gram verification draws each position as a plain step would. Each row takes
+    its own kind of draw (the fused softmax draw where temperature is its only filter, else the draw on filtered
+    probabilities): the two round differently, so a seeded row's token must not depend on its neighbours' filters."""
     vocab = x.shape[1]
-    if all(not 0 < r.params.top_k < vocab and r.params.top_p >= 1.0 and r.params.min_p <= 0.0 for r in rows):
+    fused = [not 0 < r.params.top_k < vocab and r.params.top_p >= 1.0 and r.params.min_p <= 0.0 for r in rows]
+    if all(fused):
         return softmax_categorical(x, [r.params.temperature for r in rows], u)
-    return categorical(sampling_probs(x if writable else x.clone(), rows), u)
+    if not any(fused):
+        return categorical(sampling_probs(x if writable else x.clone(), rows), u)
+    one, other = [i for i, f in enumerate(fused) if f], [i for i, f in enumerate(fused) if not f]
+    out = torch.empty(len(rows), dtype=torch.long, device=x.device)
+    at, rest = to_device(one, x.device), to_device(other, x.device)  # (indexing copies x: writable either way)
+    out[at] = softmax_categorical(x[at], [rows[i].params.temperature for i in one], u[at])
+    out[rest] = categorical(sampling_probs(x[rest], [rows[i] for i in other]), u[rest])
+    return out
 
 
 def sampling_probs(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
