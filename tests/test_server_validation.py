@@ -157,6 +157,14 @@ def test_stream_options(client, server):
         assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
         plain = list(create(client, max_tokens=6, stream=True, stream_options={"include_usage": True}))
         assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
+        # with n > 1 a chunk counts its own choice's tokens (as vLLM); the last chunk, the whole request's
+        both = list(create(client, max_tokens=6, n=2, temperature=1.0, stream=True, extra_body={"ignore_eos": True},
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        for index in (0, 1):
+            own = [c.usage.completion_tokens for c in both if c.choices and c.choices[0].index == index]
+            assert own == sorted(own) and own[-1] == 6, (index, own)
+        assert both[-1].choices == [] and both[-1].usage.completion_tokens == 12
+        assert {c.usage.prompt_tokens for c in both} == {chunks[-1].usage.prompt_tokens}
 
 
 # What pagellm cannot honour: (endpoint, field, a value it refuses, a value it accepts or None).

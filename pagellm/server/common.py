@@ -208,11 +208,11 @@ def usage(outputs: list[RequestOutput]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def usage_so_far(streams: list[RequestStream], latest: dict[int, RequestOutput]) -> dict:
-    """stream_options.continuous_usage_stats: every prompt's tokens, and the tokens generated so far."""
-    prompt = sum(len(s.prompt_token_ids) for s in streams)
-    completion = sum(len(c.token_ids) for o in latest.values() for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def choice_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """stream_options.continuous_usage_stats, as vLLM counts it: a chunk carries its prompt's tokens and its own
+    choice's tokens so far (the last chunk, with no choices, has the whole request's)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _lp(value: float) -> float:

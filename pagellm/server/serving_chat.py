@@ -14,6 +14,7 @@ from pagellm.server.common import (
     EngineStreamingResponse,
     ServerContext,
     chat_logprobs,
+    choice_usage,
     error_event,
     final_outputs,
     merged,
@@ -23,7 +24,6 @@ from pagellm.server.common import (
     tokens_as_ids,
     unless_disconnected,
     usage,
-    usage_so_far,
 )
 from pagellm.server.errors import APIError, bad_request
 from pagellm.server.prompt_logprobs import check_prompt_logprobs, vllm_prompt_logprobs, with_prompt_logprobs
@@ -126,7 +126,8 @@ async def _stream(body: ChatCompletionRequest, streams, rid: str, created: int,
         payload = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "choices": [choice]}
         if body.include_usage:
-            payload["usage"] = (usage_so_far(streams, {0: final} if final is not None else {})
+            tokens = next((len(c.token_ids) for c in final.outputs if c.index == index), 0) if final else 0
+            payload["usage"] = (choice_usage(len(streams[0].prompt_token_ids), tokens)
                                 if body.continuous_usage else None)
         return sse(payload)
 

@@ -11,6 +11,7 @@ from pagellm.server.common import (
     DONE,
     EngineStreamingResponse,
     ServerContext,
+    choice_usage,
     completion_logprobs,
     error_event,
     final_outputs,
@@ -21,7 +22,6 @@ from pagellm.server.common import (
     tokens_as_ids,
     unless_disconnected,
     usage,
-    usage_so_far,
 )
 from pagellm.server.errors import APIError, bad_request
 from pagellm.server.prompt_logprobs import (
@@ -116,12 +116,12 @@ async def _stream(body: CompletionRequest, streams, rid: str, created: int, mode
     done: set[int] = set()
     finals: dict[int, RequestOutput] = {}
 
-    def chunk(index: int, text: str, lps, finish, stop_reason=None) -> str:
+    def chunk(index: int, text: str, lps, finish, stop_reason, prompt_tokens: int, tokens: int) -> str:
         payload = {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "choices": [{"index": index, "text": text, "logprobs": lps, "finish_reason": finish,
                                 "stop_reason": stop_reason}]}
         if body.include_usage:
-            payload["usage"] = usage_so_far(streams, finals) if body.continuous_usage else None
+            payload["usage"] = choice_usage(prompt_tokens, tokens) if body.continuous_usage else None
         return sse(payload)
 
     try:
@@ -154,7 +154,8 @@ async def _stream(body: CompletionRequest, streams, rid: str, created: int, mode
                 sent_text[idx] = len(c.text)
                 if c.finished:
                     done.add(idx)
-                yield chunk(idx, prefix + text, lps, c.finish_reason, c.stop_reason)
+                yield chunk(idx, prefix + text, lps, c.finish_reason, c.stop_reason, len(out.prompt_token_ids),
+                            len(c.token_ids))
     except Exception as e:
         yield error_event(e)
         yield DONE
