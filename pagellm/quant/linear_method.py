@@ -193,7 +193,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
     def few_rows(self, layer, rows: int) -> bool:
         """Whether a product of this many rows reads the blocks in place (a kernel reads their kind; at any row
         count where the platform chose int8 tile-order products for every row and the layer has them)."""
-        if self.choices.int8_all_rows and getattr(layer, "int8_tiles", None) is not None:
+        if self.choices.int8_all_rows and layer.int8_tiles is not None:
             return True
         return path_rows(rows, self.choices) <= self.max_rows and self.reads_blocks(layer.packed)
 

@@ -57,7 +57,8 @@ def verify(target_probs: torch.Tensor, draft: list[int], draft_probs: torch.Tens
         if q_tok > 0 and u * q_tok < p_tok:  # u < p/q without dividing by a tiny q (p = 0 is never accepted)
             out.append(tok)
             continue
-        ratio = min(p_tok / q_tok, 1.0) if q_tok > 0 else 0.0  # u >= ratio: uniform on [ratio, 1)
+        ratio = p_tok / q_tok if q_tok > 0 else 0.0  # u >= ratio: uniform on [ratio, 1)
+        # (u * q rounded may reach p = q with u < 1: then ratio is 1 and any u draws the same residual)
         u = min(max((u - ratio) / (1.0 - ratio), 0.0), _BELOW_ONE) if ratio < 1.0 else 0.0
         residual = (target_probs[i] - draft_probs[i]).clamp_min_(0.0)
         total = float(residual.sum())
