@@ -3,7 +3,8 @@ distinct random weights, so they stream from memory as in a real step) at M rows
 the natural-order two-plane int8 kernel (ops.packed_linear), the tile-order one on VNNI (two planes, and one:
 llama.cpp's scheme) and on AMX-INT8 tiles (kernels/int8_tiles.py, the same bits), the AMX bf16 product
 (kernels/amx.py), its vdpbf16ps twin for CPUs without AMX, and the float32 product on dequantized slices
-(kernels/blas.py). The figures in
+(kernels/blas.py); with --onednn, also oneDNN's bf16 product on prepacked bf16 copies (what auto runs for
+many rows where the CPU has AVX-512 BF16). The figures in
 quant_linear_int8_tiles.cpp and benchmarks/NOTES.md (sixteenth session) come from:
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/microbench_int8_tiles.py 1 4 5 8 16 64
@@ -49,8 +50,12 @@ def main() -> None:
     if amx.bf16dp_ready():  # what auto runs for 13-64 rows on an AVX-512 BF16 CPU without AMX (Zen 4 / Zen 5)
         bf16_blocks = blocks or [amx.pack(w) for w in weights]
         paths["vdpbf16ps"] = lambda x, i: amx.linear(x, bf16_blocks[i], tiles=False)
+    if "--onednn" in sys.argv:  # what auto runs past amx_max_rows: oneDNN's bf16 product on prepacked bf16 copies
+        reordered = [torch.ops.mkldnn._reorder_linear_weight(w.dequantize().bfloat16(), 64) for w in weights]
+        paths["oneDNN bf16"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(
+            x.bfloat16(), reordered[i], None, "none", [], "").float()
     print("rows | " + " | ".join(paths))
-    for rows in [int(a) for a in sys.argv[1:]] or [1, 4, 5, 8, 16]:
+    for rows in [int(a) for a in sys.argv[1:] if a.isdigit()] or [1, 4, 5, 8, 16]:
         xs = {k: torch.randn(rows, k) for k in (576, 1536)}
         times = []
         for f in paths.values():

@@ -82,8 +82,8 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
                     reason="without AVX2 the int8 entry points run the float32 path")
 def test_int8_activation_rows_are_independent_and_match_rounded_x(kind, k):
     """Every row of an int8-activation product is computed alone, bit for bit (speculative verification
-    must agree with one-row decoding), and equals the float product of the weights with x rounded to int8
-    (AVX-512 VNNI builds: four q4 / two q8 blocks per instruction, cpu/quant_linear_vnni.h)."""
+    must agree with one-row decoding), and equals the float product of the weights with x rounded to int8,
+    minimums included (AVX-512 VNNI builds: four q4 / two q8 blocks per instruction, cpu/quant_linear_vnni.h)."""
     rng = np.random.default_rng(7)
     n = 74  # 18 groups of four columns and two single ones
     w = random_packed(kind, n, k, rng)
@@ -92,14 +92,39 @@ def test_int8_activation_rows_are_independent_and_match_rounded_x(kind, k):
         got = ops.packed_linear(x[:rows], w, int8_activations=True)
         for r in range(rows):
             assert torch.equal(got[r], ops.packed_linear(x[r:r + 1], w, int8_activations=True)[0])
-        # the minimums (q4_1, q8_1) multiply the exact float sums of x; everything else sees the rounded x
-        if kind == "q8_0":
-            ref = _int8_rows(x[:rows]).double() @ w.dequantize().double().t()
-        else:
-            ref = (_int8_rows(x[:rows]).double() @ (w.dequantize().double() - w.m.repeat_interleave(32, dim=1)
-                                                     .double()).t()
-                   + x[:rows].double() @ w.m.repeat_interleave(32, dim=1).double().t())
+        # the minimums (q4_1, q8_1) meet the rounded x too: the errors then enter as w . e, not as d q . e with
+        # q4_1's codes in 0..15 (x's exact sums there made them ~30% larger)
+        ref = _int8_rows(x[:rows]).double() @ w.dequantize().double().t()
         torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().pagellm_has_simd(),
+                    reason="without AVX2 the int8 entry points run the float32 path")
+def test_one_plane_int8_errors_enter_through_the_centred_weights():
+    """q4_1 from a real quantizer (gguf's: codes 0..15 and m near -7.5 d for centred weights): with the minimums
+    on the rounded x, one-plane int8 products are off from float32 by w . e, e the rounding error; had they
+    taken x's exact sums (as until the thirty-sixth session), by d q . e: 2.5x the mean error here. Both kernels."""
+    import gguf
+    from gguf import quants
+
+    from pagellm.kernels import int8_tiles
+
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(128, 576, generator=g) * 0.02
+    raw = quants.quantize(weights.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    w = pack_gguf_blocks("q4_1", raw, (128, 576))
+    x = torch.randn(40, 576, generator=g) * torch.rand(576, generator=g) * 3
+    dense = w.dequantize().double()
+    exact, rounded = x.double() @ dense.t(), _int8_rows(x).double()
+    centred = ((rounded @ dense.t()) - exact).abs().mean()
+    uncentred = ((rounded @ dense.t() + (x.double() - rounded) @ w.m.repeat_interleave(32, dim=1).double().t())
+                 - exact).abs().mean()
+    assert centred < 0.5 * uncentred
+    outs = [ops.packed_linear(x, w, ops.INT8)]
+    if int8_tiles.available():
+        outs.append(int8_tiles.linear(x, int8_tiles.pack(w), ops.INT8))
+    for got in outs:
+        assert abs((got.double() - exact).abs().mean() - centred) < 0.02 * centred
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q8_1"])

@@ -115,7 +115,7 @@ void linear(const float* x, int64_t ldx, int M, int K, const Q* qs, int64_t q_pe
 
 struct QuantizedRows {
     std::vector<int8_t> q;  // [M, K]
-    std::vector<float> d, sum;  // [M, K/32]: scale, and the float sum of the block (for q4_1's minimums)
+    std::vector<float> d, sum;  // [M, K/32]: scale, and the sum of the block's rounded values (q4_1's minimums)
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t ldx, int M, int K) {
@@ -142,7 +142,10 @@ QuantizedRows quantize_rows(const float* x, int64_t ldx, int M, int K) {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + (size_t)r * K + b * 32),
                                 _mm256_permutevar8x32_epi32(packed, order));
             out.d[(size_t)r * nb + b] = d;
-            out.sum[(size_t)r * nb + b] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+            // q4_1's minimums meet the rounded x, as the codes do (their errors then enter as w . e, centred;
+            // with x's exact sum as d q . e, q in 0..15: quant_linear_int8_tiles.cpp's prepare)
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            out.sum[(size_t)r * nb + b] = d * hsum8(_mm256_cvtepi32_ps(total));
         }
     return out;
 }

@@ -61,9 +61,9 @@ inline void round_error(__m512 x0, __m512 x1, __m512 v0, __m512 v1, float d, int
 }
 
 // x [M, K] (row stride ldx) rounded to int8 per 32-value block, straight into the layout above, with each
-// block's float sum (for q4_1/q8_1 minimums); planes 2 also rounds each block's rounding error to int8 in
-// steps of d / 128 (x = d (q + q2 / 128) + e, |e| <= d / 256: ~15 bits of each block's largest value), and
-// the scale stored is d / 128 (the products then sum 128 q + q2 in int32).
+// block's sum over its rounded values (for q4_1/q8_1 minimums); planes 2 also rounds each block's rounding
+// error to int8 in steps of d / 128 (x = d (q + q2 / 128) + e, |e| <= d / 256: ~15 bits of each block's
+// largest value), and the scale stored is d / 128 (the products then sum 128 q + q2 in int32).
 template <int PerGroup>  // 4: q4 layout, 2: q8 layout
 void prepare(const float* x, int64_t ldx, int M, int K, int planes, Rows* out, std::vector<float>& sums) {
     const int nb = K / 32, groups = (nb + PerGroup - 1) / PerGroup, lanes = 16 / PerGroup;
@@ -78,15 +78,19 @@ void prepare(const float* x, int64_t ldx, int M, int K, int planes, Rows* out, s
             const size_t at = (size_t)r * groups + g;
             const int lo_at = PerGroup == 4 ? j * 16 : j * 32, hi_at = PerGroup == 4 ? 64 + j * 16 : j * 32 + 16;
             const __m512 x0 = _mm512_loadu_ps(x + r * ldx + b * 32), x1 = _mm512_loadu_ps(x + r * ldx + b * 32 + 16);
-            sums[(size_t)r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
             __m512 v0 = x0, v1 = x1;
             int8_t* dst = out[0].q.data() + at * bytes;
             const float d = round_block(v0, v1, dst + lo_at, dst + hi_at);
+            // the minimums' sums over the rounded x the codes meet, as quant_linear_int8_tiles.cpp's prepare
+            int32_t total = (int32_t)_mm512_reduce_add_ps(_mm512_add_ps(v0, v1));  // integers: exact
             for (int l = 0; l < lanes; ++l) out[0].scale[at * 16 + j * lanes + l] = planes == 2 ? d / 128.f : d;
             if (planes == 2) {
                 int8_t* dst2 = out[1].q.data() + at * bytes;
                 round_error(x0, x1, v0, v1, d, dst2 + lo_at, dst2 + hi_at);
+                total *= 128;
+                for (int k = 0; k < 16; ++k) total += dst2[lo_at + k] + dst2[hi_at + k];
             }
+            sums[(size_t)r * nb + b] = (planes == 2 ? d / 128.f : d) * (float)total;
         }
 }
 
