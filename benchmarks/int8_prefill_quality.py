@@ -6,6 +6,10 @@ weights in float32 (what integer sums of the same codes give, up to float32 summ
 any CPU. Compared against float32 with dtype_auto_quality.py's prompts and measures, beside plain auto.
 
     .venv/bin/python benchmarks/int8_prefill_quality.py [ROWS]   (default 32: above every decode step here)
+
+The thirty-sixth session ran the real kernel this way on a Zen 4 (a scratch switch): no faster than oneDNN's
+bf16 in the offline workload, so not kept (benchmarks/NOTES.md); its q4_1 minimums now meet the rounded x as
+this emulation's do.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="packed (GGUF q4_1/q8_0) few-row matmuls quantize activations to int8 per 32 values, "
                         "as llama.cpp does: faster single-stream CPU decode; chosen-token logprobs differ "
-                        "from float32 by ~0.03 nats (median; rare tokens up to ~0.7), so greedy output can "
+                        "from float32 by ~0.02 nats (median; rare tokens up to ~0.2), so greedy output can "
                         "part where the top two tokens are close. Default: under --dtype auto where the "
                         "CPU has AVX-512 VNNI, int8 plus a second int8 plane for the rounding error "
                         "(float32-level logprobs, `pagellm info`); float32 activations otherwise")

@@ -467,9 +467,11 @@ def test_native_paths_match_plain_torch_on_tiny_models(tiny_hf_model, tiny_gguf_
 # that moves with any float32 rounding change (0.39 on 5 prompts x 40 tokens in the third session, 0.67 on
 # 8 prompts once the attention kernel's summation order changed). Outputs parted where float32's top-1
 # led by 0.005-0.4 nats (llama.cpp, which rounds activations the same way, agrees with float32 pagellm on
-# about a quarter of greedy tokens). A broken kernel is off by several nats on most tokens.
-INT8_LOGPROB_MEDIAN_TOL = 0.1  # nats, median over the chosen tokens while the outputs agree
-INT8_LOGPROB_TOL = 1.0  # nats, on any single chosen token
+# about a quarter of greedy tokens). A broken kernel is off by several nats on most tokens. Those figures predate
+# the thirty-sixth session, when q4_1's minimums came to meet the rounded x (test above): on the Zen 4 VM this
+# test's 3 prompts then agreed on 69 tokens instead of 43, max 0.186 nats instead of 0.311, median 0.020 both.
+INT8_LOGPROB_MEDIAN_TOL = 0.05  # nats, median over the chosen tokens while the outputs agree
+INT8_LOGPROB_TOL = 0.6  # nats, on any single chosen token
 # nats between float32's top-1 and top-2: such a top-1 must survive int8 rounding. As wide as the single-token
 # bound: on an Intel Xeon with AMX (2026-12-02) "Water boils at a temperature of" lost a 0.62-nat top-1 at its
 # 4th token (int8 lowered float32's ',' by 0.58 nats and raised '2' by at least 0.47; the Zen 5 VM had lost <= 0.37)

@@ -33,6 +33,9 @@ BF16_PACKED_MAX_ROWS = 6
 # The same limit where few-row products run on int8 activations (AVX-512 VNNI: four q4 blocks per vpdpbusd,
 # weights read at 0.6 bytes where the bf16 GEMM reads 2): whole decode steps on the Xeon VM (AMX) under auto,
 # packed vs bf16 (benchmarks/few_rows_steps.py): 1.25x at 8 rows, 1.15x at 12, even at 16 (NOTES, 13th session).
+# On the Zen 4 VM the two-plane products tie vdpbf16ps at 16 rows and lose past it; one-plane int8 is 1.2-1.35x the
+# bf16 paths from 12 rows up but parts from float32 past auto's bounds when decode rows take it, and gained
+# nothing in the offline workload as prefill only (benchmarks/microbench_int8_tiles.py; NOTES, 36th session).
 INT8_PACKED_MAX_ROWS = 12
 # Under auto with AMX-BF16, many-row products of q4_1 and q8_0 blocks up to this many rows dequantize the blocks
 # into AMX tiles (kernels/amx.py) instead of the oneDNN product on the bf16 copy. 120 layer products, cold weights
