@@ -260,3 +260,34 @@ def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smol
                 assert moved[-1] < FIRST_TOKEN_TOL
         assert moved and max(moved) > 0  # bf16 really ran
         print(f"bf16 prefill attention ({mode}) vs SDPA: next-token logprob moved by at most {max(moved):.4f} nats")
+
+
+@pytest.mark.skipif(ops.cpu_kernels() is None, reason="no native kernels")
+@pytest.mark.parametrize("mode", [None, "kernel"])
+def test_verification_rows_attend_as_decode_rows_however_many_drafts(mode):
+    """A request verifying 16 drafts has 17 rows, past the rows the decode kernel takes per request: they still
+    attend through it (AttentionMetadata.query_drafts), bit for bit as one-row decode steps would, and a
+    prefill chunk of as many rows takes the long-request path. (Found by a probe: with 16 or more drafts under
+    --dtype auto the verification rows went to the bf16 prefill kernel and greedy tokens changed.)"""
+    from pagellm.model.attention.base import AttentionMetadata
+    from pagellm.model.attention.cpu_paged import CpuPagedAttention
+
+    if mode == "kernel" and not ops.has_bf16_prefill_attention():
+        pytest.skip("no bf16 prefill kernel in this build")
+    nq, seq_len, bs = 17, 40, 16
+    q, cache, table, _ = _paged(nq, seq_len, torch.float32)
+    positions = torch.arange(seq_len - nq, seq_len)
+    slots = table[positions // bs] * bs + positions % bs
+    k, v = (cache[i].reshape(-1, 3, 64)[slots] for i in (0, 1))  # the rows already there: writing keeps them
+    row_seq = torch.zeros(nq, dtype=torch.int64)
+
+    def attend(drafts):
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=table[None], query_start_loc=[0, nq],
+                                 seq_lens=[seq_len], block_size=bs, row_seq=row_seq, positions=positions,
+                                 query_drafts=drafts)
+        return CpuPagedAttention(mode).forward(q, k, v, cache, meta, 64 ** -0.5)
+
+    decode = torch.cat([ops.paged_attention(q[i:i + 1], cache, table[None], row_seq[:1], positions[i:i + 1], None,
+                                            64 ** -0.5) for i in range(nq)])
+    assert torch.equal(attend([nq - 1]), decode)
+    assert not torch.equal(attend(None), decode)

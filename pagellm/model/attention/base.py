@@ -22,6 +22,10 @@ class AttentionMetadata:
     sliding_window: int | None = None
     row_seq: torch.Tensor | None = None  # [T] int64: the request (row of block_tables) of each query row
     positions: torch.Tensor | None = None  # [T] int64: each query row's position in its sequence
+    # [B]: how many of each request's rows are speculative drafts (after its known tokens); None: none are.
+    # A backend that picks an attention path by a request's rows counts them out, as the products do
+    # (quant.linear_method.path_rows), so verification gives each row the arithmetic plain decoding gives it.
+    query_drafts: list[int] | None = None
     # query_start_loc and seq_lens as int32 tensors on the device, for kernels that read them there
     # (triton_paged). A CUDA-graph runner fills persistent ones; left None, the backend builds them.
     query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32
