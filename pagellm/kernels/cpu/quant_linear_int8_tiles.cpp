@@ -81,7 +81,7 @@ Rows prepare(const float* x, int64_t ldx, int M, int K, int planes, int pad) {
             r.bias[at] = 128 * total;
             // q4_1's m term from the rounded x the codes meet, not x's exact sum: the codes are 0..15, so x's
             // rounding errors e came in as d q . e; with the m term on the same values they are w . e, centred
-            // (one plane: a 2.5x smaller mean error on gguf-quantized weights, tests/test_kernels.py)
+            // (one plane: a 2.5x smaller mean error on gguf-quantized weights, tests/test_int8_activations.py)
             r.sum[at] = r.scale[at] * (float)total;
         }
     return r;
