@@ -241,6 +241,30 @@ def test_a_proposal_containing_a_stop_token_finishes_the_request(tiny, smollm_gg
     assert b.token_ids == a.token_ids == greedy[:5] and b.finish_reason == "stop"
     st = spec.engine.scheduler.stats
     assert st.num_accepted_tokens == st.num_draft_tokens == 6  # all verified; the 2 after the stop dropped
+    # a stop string that ends before that stop id in the same accepted run: the string ended the output, and
+    # stop_reason says so as in plain decoding (it was the id: the scheduler had finished the run there first)
+    tok = plain.get_tokenizer()
+
+    def stop_at_fourth(p, greedy):  # a stop string (and its plain output) ending the output at token 4
+        text = tok.decode(greedy[:4])
+        for stop in (text[-n:] for n in (2, 3, 4) if text[-n:].strip() and "\ufffd" not in text):
+            params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], stop_token_ids=[greedy[4]])
+            a = plain.generate([p], params, use_tqdm=False)[0].outputs[0]
+            if a.stop_reason == stop and len(a.token_ids) == 4:
+                return stop, params, a
+        return None
+
+    for seed in range(60):
+        p = repetitive_prompts(1, seed=seed)[0]
+        greedy = plain.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        found = greedy[4] not in greedy[:4] and stop_at_fourth(p, greedy)
+        if found:
+            break
+    else:
+        pytest.fail("no prompt whose output a stop string ends at its fourth token")
+    stop, params, a = found
+    b = spec.generate([p], params, use_tqdm=False)[0].outputs[0]
+    assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, "stop", stop)
 
 
 def _chi_square_two_sample(a: list[int], b: list[int]) -> tuple[float, int]:

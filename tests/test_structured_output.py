@@ -322,5 +322,30 @@ def test_grammar_state_drafts_stop_at_the_first_rejected_token(llm):
     assert allowed(1, b) and not allowed(1, c) and not allowed(1, a)
     assert allowed(2, b) and allowed(2, c) and not allowed(2, a)
     assert torch.all(bitmask[3] == -1)  # after the rejected draft: never read, left unmasked
-    assert state.valid_prefix([a, b, b, a, c]) == 3  # what trim_drafts keeps before scheduling
+    assert state.valid_prefix([a, b, b, a, c]) == (3, True)  # what trim_drafts keeps before scheduling
+    assert state.valid_prefix([a, b]) == (2, False)
     assert state.num_accepted == 0 and state.matcher.accept_token(a)  # rolled back to the start
+
+
+def test_draft_model_drafts_keep_the_first_rejected_one(llm):
+    """trim_drafts cuts point-mass drafts (n-gram) before the first token the grammar rejects, but keeps that
+    token for drafts drawn from a draft model's q: verification then rejects it and draws from the residual
+    (p - q)+, as rejection sampling must (drawing from p there biased sampled output: a probe's 600 seeds at
+    temperature 1 gave P(" is yes") 0.277 against plain decoding's 0.373)."""
+    from types import SimpleNamespace
+
+    from pagellm.structured_output.request_state import trim_drafts
+
+    tok = llm.get_tokenizer()
+    a, b, c = (tok.encode(x, add_special_tokens=False)[0] for x in "abc")
+    new_state = llm.engine.structured_output.new_state
+
+    def request(probs):
+        return SimpleNamespace(spec_token_ids=[a, b, a, c], spec_draft_probs=probs, request_id="r",
+                               params=SimpleNamespace(structured_outputs=Spec(regex="ab+c")), grammar=None,
+                               output_token_ids=[])
+
+    ngram, drafted = request(None), request(torch.rand(4, 8))
+    trim_drafts([ngram, drafted], new_state)
+    assert ngram.spec_token_ids == [a, b] and ngram.spec_draft_probs is None
+    assert drafted.spec_token_ids == [a, b, a] and drafted.spec_draft_probs.shape[0] == 3

@@ -85,20 +85,22 @@ class GrammarState:
             self.matcher.rollback(accepted)
         return accepted
 
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` the grammar accepts in a row from the current state (left unchanged)."""
+    def valid_prefix(self, tokens: list[int]) -> tuple[int, bool]:
+        """How many of `tokens` the grammar accepts in a row from the current state (left unchanged), and
+        whether it rejects the next one (False where they all pass or a stop token ends them)."""
         if self.matcher.is_terminated():
-            return 0
-        n = 0
+            return 0, False
+        n, rejected = 0, False
         for tok in tokens:
             if not self.matcher.accept_token(tok):
+                rejected = True
                 break
             n += 1
             if self.matcher.is_terminated():
                 break
         if n:
             self.matcher.rollback(n)
-        return n
+        return n, rejected
 
 
 def _bit(i: int) -> int:
@@ -140,7 +142,11 @@ def apply_grammar_masks(scheduled, logits: torch.Tensor, new_state) -> None:
 
 def trim_drafts(requests, new_state) -> None:
     """Cut each constrained sequence's speculative drafts before the first one its grammar rejects, so
-    no verification row is spent past it (verification would reject it anyway)."""
+    no verification row is spent past it (verification would reject it anyway). A draft model's drafts
+    (with their probabilities q) keep that first rejected one: rejection sampling must then draw from the
+    residual (p - q)+, which the target's p alone would not give (the output leaned away from what q
+    favours: a probe measured P(" is yes") 0.373 plain vs 0.277 speculative at temperature 1). Point-mass
+    drafts (n-gram, greedy) lose nothing by the cut: their residual is p."""
     for req in requests:
         if not req.spec_token_ids or req.params.structured_outputs is None:
             continue
@@ -151,7 +157,9 @@ def trim_drafts(requests, new_state) -> None:
         except GrammarError:
             req.clear_spec()  # sampling meets the same error and fails this request alone
             continue
-        keep = req.grammar.valid_prefix(req.spec_token_ids)
+        keep, rejected = req.grammar.valid_prefix(req.spec_token_ids)
+        if rejected and req.spec_draft_probs is not None:
+            keep += 1  # verification rejects it (its row's mask does) and draws from the residual
         if keep < len(req.spec_token_ids):
             req.spec_token_ids = req.spec_token_ids[:keep]
             if req.spec_draft_probs is not None:
