@@ -350,8 +350,7 @@ class LLMEngine:
                     del req.output_token_ids[start + j + 1:]  # accepted drafts after a stop string
                     if not req.is_finished:
                         self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-                    elif req.status == RequestStatus.FINISHED_LENGTH or (
-                            req.status == RequestStatus.FINISHED_STOPPED and j < len(new_tokens) - 1):
+                    elif req.status == RequestStatus.FINISHED_LENGTH or j < len(new_tokens) - 1:
                         # a stop string on the last token allowed is a stop (vLLM's), and one before the stop
                         # token or EOS that ended a run of accepted drafts is what ended the output
                         req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop

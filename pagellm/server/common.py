@@ -205,7 +205,7 @@ def error_event(e: BaseException) -> str:
 def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return choice_usage(prompt, completion)
 
 
 def choice_usage(prompt_tokens: int, completion_tokens: int) -> dict:

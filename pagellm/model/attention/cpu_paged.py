@@ -38,10 +38,11 @@ class CpuPagedAttention(AttentionBackend):
             return self._reference.forward(q, k, v, kv_cache, meta, scale)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         starts = meta.query_start_loc
-        drafts = meta.query_drafts or [0] * meta.num_reqs
+        drafts = meta.query_drafts
         # (a verification request's drafts do not count: its rows get the decode kernel, as in plain decoding,
         # however many drafts it has)
-        long = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] - drafts[i] > self.max_native_queries]
+        long = [i for i in range(meta.num_reqs)
+                if starts[i + 1] - starts[i] - (drafts[i] if drafts else 0) > self.max_native_queries]
         if not long:
             return ops.paged_attention(q, kv_cache, meta.block_tables, meta.row_seq, meta.positions,
                                        meta.sliding_window, scale)
