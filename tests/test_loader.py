@@ -137,6 +137,31 @@ def test_hf_generation_config_eos(tiny_hf_model, tmp_path):
     assert load_config(str(path)).eos_token_ids == [2, 7]
 
 
+def _linear_copy_bytes(value) -> int:
+    """Bytes of a weight copy a Linear keeps outside its parameters (a tensor, GGUF blocks, tile-order blocks)."""
+    from pagellm.kernels.amx import TiledBlocks
+    from pagellm.quant.formats import PackedWeight
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return value.nbytes if isinstance(value, PackedWeight | TiledBlocks) else 0
+
+
+def test_weights_bytes_counts_every_copy_a_layer_keeps(tiny_gguf_model, smollm_gguf_path):
+    """The start-up log's weight figure (and a GPU's KV sizing) is every parameter plus every other copy of a
+    weight: under auto on an AVX-512 BF16 CPU a q4_1 layer keeps its GGUF blocks, a bf16 GEMM copy, vdpbf16ps /
+    AMX tile-order blocks and int8 tile-order blocks (the last two had been left out)."""
+    from pagellm import LLM
+    from pagellm.model.layers.linear import Linear
+
+    llm = LLM(tiny_gguf_model("llama", qtype="Q4_1"), tokenizer=smollm_gguf_path, dtype="auto", kv_cache_memory="8MiB")
+    model = llm.engine.model
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    copies = sum(_linear_copy_bytes(v) for m in model.modules() if isinstance(m, Linear) for v in vars(m).values())
+    assert copies > 0
+    assert llm.engine.weights_bytes == params + copies
+
+
 # -- tiny GGUFs (written the way llama.cpp's converter writes them) -----------------------------------------
 
 

@@ -78,8 +78,9 @@ def _check_float_checkpoint(path: str, cfg: ModelConfig, quantization: str) -> N
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter plus every packed copy."""
-    extra = [t for m in model.modules() for t in (getattr(m, "packed", None), getattr(m, "weight_bf16", None))
-             if t is not None]
+    """Bytes of every parameter plus every other copy of a weight a layer keeps: GGUF blocks, bf16 GEMM copies,
+    blocks in AMX / vdpbf16ps tile order and in int8 tile order (auto on an AVX-512 BF16 CPU keeps all four)."""
+    copies = ("packed", "weight_bf16", "amx_blocks", "int8_tiles")
+    extra = [t for m in model.modules() for t in (getattr(m, a, None) for a in copies) if t is not None]
     return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
         t.nbytes for t in extra)
