@@ -157,3 +157,97 @@ def test_plan_sizes_parse_as_the_engines_and_a_length_past_the_context_is_the_co
     small = subprocess.run([*base[:-3], "--device-memory", "24GiB", "--max-model-len", "100000", "--json"],
                            capture_output=True, text=True, timeout=60)
     assert small.returncode == 1 and json.loads(small.stdout)["max_model_len"] == 100000
+
+
+# -- what the engine holds for a real checkpoint (plan/weights.py) ---------------------------------------------
+def _engine_bytes(path: str, tokenizer: str, **kw) -> int:
+    from pagellm import LLM
+
+    return LLM(path, tokenizer=tokenizer, dtype="float32", kv_cache_memory="8MiB", **kw).engine.weights_bytes
+
+
+def _blocks_here() -> bool:
+    from pagellm.kernels.build import cpu_kernels
+
+    return cpu_kernels() is not None
+
+
+@pytest.mark.parametrize("qtype,tie,dims", [("Q4_1", False, {}), ("Q8_0", True, {}), ("F16", True, {}),
+                                            ("Q4_0", False, {}), ("Q5_0", True, {}), ("Q5_1", False, {})])
+def test_plan_holds_a_gguf_as_the_cpu_engine_does(tiny_gguf_model, smollm_gguf_path, qtype, tie, dims):
+    """The plan had taken the file's bytes: the engine widens the blocks' scales to float32 (Q4_1 1.2x, Q5_0 1.6x;
+    the K-quants' kinds are below, gguf cannot write them) and keeps a tied head's transposed copy beside a float
+    embedding."""
+    from pagellm.model.loader import load_config
+    from pagellm.plan.weights import gguf_weight_bytes
+
+    path = tiny_gguf_model("llama", qtype=qtype, tie=tie, **dims)
+    planned = gguf_weight_bytes(path, load_config(path), "float32", blocks=_blocks_here())
+    assert planned == _engine_bytes(path, smollm_gguf_path)
+
+
+@pytest.mark.parametrize("quantization,tie", [(None, True), (None, False), ("int4", True), ("int8", False)])
+def test_plan_holds_a_float_checkpoint_as_the_cpu_engine_does(tiny_hf_model, smollm_gguf_path, quantization, tie):
+    from pagellm.model.loader import load_config
+    from pagellm.plan.weights import hf_weight_bytes
+
+    path = tiny_hf_model("qwen2", tie=tie)
+    kw = {"int4": dict(quantization="int4", quantization_group_size=32), "int8": dict(quantization="int8")}
+    kw = kw.get(quantization, {})
+    planned = hf_weight_bytes(path, load_config(path), "float32", _blocks_here(), quantization)
+    assert planned == _engine_bytes(path, smollm_gguf_path, **kw)
+
+
+def test_plan_holds_gptq_awq_and_fp8_checkpoints_as_the_cpu_engine_does(tiny_hf_model, smollm_gguf_path, tmp_path):
+    """The plan had sized a quantized checkpoint's matrices in --dtype (2.1x the engine's with --cpu)."""
+    import quant_checkpoints as qck
+    import torch
+
+    from pagellm.model.loader import load_config
+    from pagellm.plan.weights import hf_weight_bytes
+
+    torch.manual_seed(3)
+    src = tiny_hf_model("llama", tie=True)
+    writers = {"gptq": (dict(bits=4, group_size=32, sym=True, desc_act=False),
+                        lambda p, w: qck.gptq_tensors(w, 4, 32, True, True)),
+               "gptq act-order": (dict(bits=4, group_size=32, sym=True, desc_act=True),
+                                  lambda p, w: qck.gptq_tensors(w, 4, 32, True, True, torch.randperm(
+                                      w.shape[1], generator=torch.Generator().manual_seed(w.shape[1])))),
+               "awq": (dict(bits=4, group_size=32, zero_point=True, version="gemm"),
+                       lambda p, w: qck.awq_tensors(w, 32, True)),
+               "fp8": (dict(activation_scheme="dynamic"), lambda p, w: qck.fp8_tensors(w, "channel"))}
+    for method, (config, make) in writers.items():
+        out = str(tmp_path / method.replace(" ", "-"))
+        qck.write_quantized(src, out, method.split()[0], config, make)
+        planned = hf_weight_bytes(out, load_config(out), "float32", _blocks_here(), None)
+        assert planned == _engine_bytes(out, smollm_gguf_path), method
+
+
+def test_block_kinds_in_the_plan_are_the_engines():
+    """plan/weights.py is torch-free, so it keeps its own table of the kinds' sizes, GGUF's kinds and the fused
+    shards' common kind: here they meet the engine's PackedWeight."""
+    import numpy as np
+
+    from pagellm.plan.weights import GGUF_KINDS, common_kind, kind_bytes_per_weight
+    from pagellm.quant.formats import KINDS, PackedWeight
+    from pagellm.quant.gguf_blocks import BLOCK_BYTES, PACKERS, pack_gguf_tensor
+
+    assert set(GGUF_KINDS) == set(PACKERS)
+    rng = np.random.default_rng(0)
+    packed = {}
+    for qtype, kind in GGUF_KINDS.items():
+        nbytes, per_block = BLOCK_BYTES[qtype]
+        raw = rng.integers(0, 256, size=(4 * 256 // per_block, nbytes), dtype=np.uint8)
+        raw[:, :2] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)  # finite scales
+        w = pack_gguf_tensor(qtype, raw, (4, 256))
+        assert w.kind == kind and w.nbytes == 4 * 256 * kind_bytes_per_weight(kind), qtype
+        packed[kind] = w
+    for kind in KINDS:
+        if kind == "fp8_e4m3":
+            assert kind_bytes_per_weight(kind) == 1 + 4 / 32
+            continue
+        for other in packed:
+            parts = [packed[kind if kind in packed else "q8_1"], packed[other]]
+            unified = PackedWeight.unify(parts)
+            same = len({p.kind for p in unified}) == 1
+            assert common_kind([p.kind for p in parts]) == (unified[0].kind if same else None)

@@ -121,8 +121,9 @@ def plan_memory(cfg: ModelConfig, model: str, device_bytes: int, tp: int = 1, pp
                 max_model_len: int | None = None, max_num_seqs: int = 1, block_size: int = 16,
                 max_num_batched_tokens: int = 2048, utilization: float = 0.9,
                 weights_bytes: int | None = None) -> MemoryPlan:
-    """weight_format: int8/int4/fp8 for quantized matrices (default: dtype). weights_bytes: the model's
-    real total (a GGUF file's tensors), split over ranks as the parameter count is."""
+    """weight_format: int8/int4/fp8 for quantized matrices (default: dtype), for a preset's what-if.
+    weights_bytes: what the engine holds for a real checkpoint (plan/weights.py), split over ranks as the
+    parameter count is."""
     if not 0 < utilization <= 1:
         raise ValueError(f"memory utilization must be in (0, 1], got {utilization}")
     kv_name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype

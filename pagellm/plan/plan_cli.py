@@ -27,18 +27,43 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def load_model(model: str) -> tuple[ModelConfig, int | None]:
-    """A preset name, a config.json directory or a GGUF file -> (config, the file's weight bytes or None)."""
+def load_model(model: str) -> ModelConfig:
+    """A preset name, a config.json directory or a GGUF file -> its config."""
     if model in ARCHITECTURES:
-        return preset_config(model), None
-    from pagellm.model.loader import GGUFFile, is_gguf_path, load_config
+        return preset_config(model)
+    from pagellm.model.loader import load_config
 
     if not os.path.exists(model):
         raise ValueError(f"--model {model!r} is neither a preset ({', '.join(sorted(ARCHITECTURES))}) nor a "
                          "local GGUF file or model directory")
-    cfg = load_config(model)
-    weights = sum(t.nbytes for t in GGUFFile(model).tensors.values()) if is_gguf_path(model) else None
-    return cfg, weights
+    return load_config(model)
+
+
+def checkpoint_weight_bytes(model: str, cfg: ModelConfig, dtype: str, quantization: str | None,
+                            cpu: bool) -> int | None:
+    """What the engine holds for a real checkpoint's weights (plan/weights.py), None for a preset (whose
+    --quantization is a what-if); refuses what the engine refuses. cpu: the engine's native kernels read the
+    blocks (the CPU engine); else a CUDA engine's dequantized weights."""
+    if model in ARCHITECTURES:
+        return None
+    from pagellm.model.loader import is_gguf_path
+    from pagellm.plan.weights import gguf_weight_bytes, hf_weight_bytes
+
+    if quantization == "fp8":
+        raise ValueError(f"--quantization fp8: the engine quantizes a float checkpoint at load to int8 or int4 "
+                         f"only; an FP8 checkpoint is planned from its own quantization_config ({model})")
+    if is_gguf_path(model):
+        if quantization:
+            raise ValueError(f"--quantization {quantization} quantizes a float Hugging Face checkpoint; {model} is "
+                             "a GGUF, whose weights are quantized already")
+        return gguf_weight_bytes(model, cfg, dtype, blocks=cpu)
+    if quantization and cfg.weight_format:
+        raise ValueError(f"--quantization {quantization} quantizes a float checkpoint; {model} is quantized "
+                         f"already (quant_method {cfg.weight_format!r})")
+    if quantization and not cpu:
+        print(f"note: on a GPU the engine computes --quantization {quantization} weights in {dtype} (no block "
+              "kernels there) and keeps their blocks beside them", file=sys.stderr)
+    return hf_weight_bytes(model, cfg, dtype, cpu, quantization)
 
 
 def add_plan_parser(sub) -> None:
@@ -55,7 +80,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--dtype", default=None, choices=DTYPES, help="weights and activations (default: bfloat16 on "
                                                                 "a GPU, float32 with --cpu)")
     p.add_argument("--quantization", default=None, choices=["int8", "fp8", "int4"],
-                   help="weight-only format of the linear layers (embeddings stay in --dtype)")
+                   help="weights quantized at load (--quantization of the engine; fp8: presets only, a what-if). "
+                        "A GGUF file or a quantized checkpoint is planned as the engine holds it: blocks with "
+                        "--cpu (the native kernels read them), dequantized to --dtype on a GPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
     p.add_argument("--kv-heads", type=int, default=None, help="override the KV head count (what-if: MHA vs GQA)")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's)")
@@ -72,7 +99,7 @@ def add_plan_parser(sub) -> None:
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    cfg, file_bytes = load_model(ns.model)
+    cfg = load_model(ns.model)
     if ns.kv_heads is not None:
         if ns.kv_heads < 1 or cfg.num_attention_heads % ns.kv_heads:
             raise ValueError(f"--kv-heads {ns.kv_heads} must divide the {cfg.num_attention_heads} attention heads")
@@ -83,6 +110,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         device = GPUS[ns.gpu] if ns.gpu else parse_size(ns.device_memory)
         label = ns.gpu or f"{device / 1e9:.1f} GB"
     dtype = ns.dtype or ("float32" if ns.cpu else "bfloat16")
+    held = checkpoint_weight_bytes(ns.model, cfg, dtype, ns.quantization, ns.cpu)
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(ns, name)
         if value is not None and value < 1:
@@ -97,7 +125,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         def at(max_len: int | None) -> MemoryPlan:
             return plan_memory(cfg, ns.model, device, tp, pp, dtype, ns.kv_cache_dtype, ns.quantization, max_len,
                                ns.max_num_seqs, ns.block_size, ns.max_num_batched_tokens, ns.gpu_memory_utilization,
-                               file_bytes)
+                               held)
 
         asked = at(ns.max_model_len)  # engine/kv_sizing.fit_max_model_len: the length asked must fit first,
         return at(context) if asked.fits and asked.max_model_len > context else asked  # then it runs the context
@@ -135,4 +163,4 @@ def format_plan(r: MemoryPlan, label: str, smallest: tuple[int, int] | None) -> 
     return "\n".join(lines)
 
 
-__all__ = ["add_plan_parser", "format_plan", "load_model", "parse_size", "run_plan"]
+__all__ = ["add_plan_parser", "checkpoint_weight_bytes", "format_plan", "load_model", "parse_size", "run_plan"]
