@@ -423,3 +423,14 @@ def test_group_indices_out_of_range_are_refused(checkpoint, tmp_path):
     bad = _edit(path, tmp_path / "bad", tensors=lambda s: s[f"{q}.g_idx"].__setitem__(0, 99))
     with pytest.raises(ModelFileError, match=r"down_proj\.g_idx.*group indices must lie in \[0, 5\)"):
         _load(bad)
+
+
+def test_fp8_static_input_scales_must_be_there_finite_and_positive(checkpoint, tmp_path):
+    """activation_scheme static with a layer's input_scale missing ran that layer on dynamic scales (a q shard's:
+    the fused layer on float weights), and a zero or NaN scale loaded (NaN: every token id 0): refused (a probe)."""
+    path, _ = checkpoint("fp8-channel-static")
+    o = "model.layers.0.self_attn.o_proj.input_scale"
+    for tag, edit, needle in [("gone", lambda s: s.pop(o), "missing"), ("zero", lambda s: s[o].zero_(), "0.0: "),
+                              ("nan", lambda s: s[o].fill_(float("nan")), "nan: expected a finite positive")]:
+        with pytest.raises(ModelFileError, match=rf"o_proj\.input_scale.*{needle}"):
+            _load(_edit(path, tmp_path / tag, tensors=edit))

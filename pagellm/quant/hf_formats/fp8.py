@@ -48,6 +48,9 @@ def check_shapes(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, parts: PartI
                  f"per tensor or per output channel, out_features {n}", FLOATS)
     if "input_scale" in parts and math.prod(parts["input_scale"][1]) != 1:
         raise err("input_scale", f"shape {list(parts['input_scale'][1])}: expected one value (per-tensor static)")
+    if qc.method == "fp8" and qc.static_input_scale and "input_scale" not in parts:
+        # (else this layer ran dynamic scales, and fused shards that disagreed fell back to float weights)
+        raise err("input_scale", "missing: activation_scheme static stores every layer's input scale")
 
 
 def to_packed(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, tensors: dict[str, torch.Tensor], n: int,
@@ -60,4 +63,6 @@ def to_packed(err: ErrorFn, qc: HFQuantConfig, args: WeightArgs, tensors: dict[s
         pw.act_fp8 = True
         if "input_scale" in tensors and qc.static_input_scale:
             pw.act_scale = float(tensors["input_scale"].float().reshape(-1)[0])
+            if not math.isfinite(pw.act_scale) or pw.act_scale <= 0:  # 0: inputs divide by it; NaN: every logit
+                raise err("input_scale", f"{pw.act_scale}: expected a finite positive scale")
     return pw
