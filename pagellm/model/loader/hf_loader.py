@@ -101,10 +101,15 @@ def _quantized_modules(model_dir: str, config: ModelConfig, qc: HFQuantConfig, h
                        where: dict) -> dict[str, tuple]:
     """prefix -> (format module, WeightArgs, (out, in), error factory, part -> (dtype, shape)) of every
     module the checkpoint stores quantized."""
-    from pagellm.quant.hf_formats import format_module, group_modules
+    from pagellm.quant.hf_formats import format_module, group_modules, partly_quantized
 
     fmt = format_module(qc.method)
     expected, _ = checks.expected_shapes(config, gguf_names=False)
+    for prefix, parts in partly_quantized(qc, header).items():
+        weight, others = header.get(prefix + ".weight"), ", ".join(sorted(set(parts) - {"weight"}))
+        what = (f"weight stored as {weight[0]} beside its {others}: expected the {qc.method} codes" if weight
+                else f"quantized weight missing: only its {others} are stored")
+        raise ModelFileError(where.get(next(iter(parts.values())), model_dir), what, f"module {prefix!r}")
     out = {}
     for prefix, parts in group_modules(qc, header).items():
         def err(part: str, what: str, prefix=prefix) -> ModelFileError:

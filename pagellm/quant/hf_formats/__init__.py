@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pagellm.quant.hf_formats.quant_config import HFQuantConfig
 
-__all__ = ["format_module", "group_modules"]
+__all__ = ["format_module", "group_modules", "partly_quantized"]
 
 
 def format_module(method: str):
@@ -24,10 +24,23 @@ def group_modules(qc: HFQuantConfig, header: dict[str, tuple[str, tuple]]) -> di
     """module prefix -> {part: tensor name} for every module stored quantized (name -> (dtype, shape) of all
     the checkpoint's tensors). Other tensors (biases, norms, float layers) are not in it."""
     fmt = format_module(qc.method)
+    return {prefix: parts for prefix, parts in _parts(fmt, header).items()
+            if fmt.is_quantized({p: header[n] for p, n in parts.items()})}
+
+
+def partly_quantized(qc: HFQuantConfig, header: dict[str, tuple[str, tuple]]) -> dict[str, dict[str, str]]:
+    """module prefix -> {part: tensor name} of every module that stores quantization parts (scales, zeros,
+    input scales) without a quantized weight: its codes missing, or its weight in float. Such a module would
+    otherwise load as a float one, its other parts then "having no place" in the model."""
+    fmt = format_module(qc.method)
+    return {prefix: parts for prefix, parts in _parts(fmt, header).items()
+            if set(parts) - {"weight"} and not fmt.is_quantized({p: header[n] for p, n in parts.items()})}
+
+
+def _parts(fmt, header: dict[str, tuple[str, tuple]]) -> dict[str, dict[str, str]]:
     by_module: dict[str, dict[str, str]] = {}
     for name in header:
         prefix, _, part = name.rpartition(".")
         if part in fmt.PARTS:
             by_module.setdefault(prefix, {})[part] = name
-    return {prefix: parts for prefix, parts in by_module.items()
-            if fmt.is_quantized({p: header[n] for p, n in parts.items()})}
+    return by_module
