@@ -410,7 +410,8 @@ def test_bad_checkpoints_fail_in_one_line(checkpoint, smollm_gguf_path, tmp_path
         # (they had said "q_proj.weight: tensor is missing" / "input_scale has no place in the model")
         (_edit(gptq, tmp_path / "qw-gone", tensors=lambda s: s.pop(f"{q}.qweight")), [], "quantized weight missing"),
         (_edit(checkpoint("fp8-channel-static")[0], tmp_path / "f16w",
-               tensors=lambda s: s.update({f"{q}.weight": s[f"{q}.weight"].half()})), [], "weight stored as F16 beside"),
+               tensors=lambda s: s.update({f"{q}.weight": s[f"{q}.weight"].half()})), [],
+         "weight stored as F16 beside"),
     ]
     # a group size that does not divide K: 64-column layers with group_size 128 (headers only, no weights read)
     cases.append((_edit(gptq, tmp_path / "gs128", config=lambda c: c.update(group_size=128)), [], "group_size 128"))
