@@ -22,10 +22,13 @@ def _generate(ns: argparse.Namespace) -> int:
 
         return run_headless((args.master_addr, args.master_port), args.nnodes, args.node_rank)
     llm = LLM(**vars(args))
-    if ns.chat:
-        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
-    else:
-        out = llm.generate([ns.prompt], params, use_tqdm=False)[0]
+    try:
+        if ns.chat:
+            out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)[0]
+        else:
+            out = llm.generate([ns.prompt], params, use_tqdm=False)[0]
+    finally:  # the workers stopped in order, not by exit-time clean-up (which, with the watchdog thread holding
+        llm.shutdown()  # the engine, aborted node 0 of a two-node run after its output in 3 runs of 8)
     c = out.outputs[0]
     if ns.json:
         print(json.dumps({"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}))

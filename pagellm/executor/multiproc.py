@@ -140,7 +140,10 @@ class MultiprocExecutor(Executor):
         if not channels:
             self.transport = GlooTransport(self.world)
         self.transport.world = self.world
-        self._watchdog = threading.Thread(target=self._watch, name="pagellm-worker-watchdog", daemon=True)
+        # (the thread holds the executor only for one look at a time: a bound method as its target had kept a
+        # dropped engine alive, and its workers running, until the interpreter exited)
+        self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self),), name="pagellm-worker-watchdog",
+                                          daemon=True)
         self._watchdog.start()
 
     def _workers_alive(self) -> bool:
@@ -168,20 +171,23 @@ class MultiprocExecutor(Executor):
                 raise WorkerFailedError(f"workers not {what} after {READY_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
-    def _watch(self) -> None:
+    def _watch_once(self) -> bool:
+        """One look at the local workers; True once there is nothing more to watch (stopped on purpose, or a
+        death handled: every rank stopped, the group dropped, on_failure called)."""
         stopped = lambda: self._closed or self._dropped.is_set()  # noqa: E731  -- workers stopped on purpose
-        while not stopped():
-            dead = next((p for p in self.procs if p.exitcode is not None), None)
-            if dead is not None and not stopped():
-                self.error = self.error or self._worker_error(0.0) or f"{dead.name} exited with code {dead.exitcode}"
-                logger.error("%s: stopping every rank", self.error)
-                self._kill_all()  # whatever the engine waits on now fails at once
-                if not self._busy.locked():  # else the step waiting on the group fails and drops it
-                    self._abort_group()
-                if self.on_failure is not None:
-                    self.on_failure()
-                return
-            time.sleep(0.1)
+        if stopped():
+            return True
+        dead = next((p for p in self.procs if p.exitcode is not None), None)
+        if dead is None or stopped():
+            return False
+        self.error = self.error or self._worker_error(0.0) or f"{dead.name} exited with code {dead.exitcode}"
+        logger.error("%s: stopping every rank", self.error)
+        self._kill_all()  # whatever the engine waits on now fails at once
+        if not self._busy.locked():  # else the step waiting on the group fails and drops it
+            self._abort_group()
+        if self.on_failure is not None:
+            self.on_failure()
+        return True
 
     def _kill_all(self) -> None:
         _kill(self.procs)
@@ -247,6 +253,15 @@ class MultiprocExecutor(Executor):
         except Exception:
             pass
         stop_processes(self.procs)
+
+
+def _watch(executor: weakref.ref) -> None:
+    while True:
+        ex = executor()
+        if ex is None or ex._watch_once():
+            return
+        del ex
+        time.sleep(0.1)
 
 
 def _drop(procs: list, dropped: threading.Event) -> None:
