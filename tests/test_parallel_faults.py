@@ -174,6 +174,30 @@ def test_two_node_generate_exits_cleanly_on_both_nodes(tiny_path, smollm_gguf_pa
     assert out.strip() and "terminate called" not in err
 
 
+def test_a_node_that_never_comes_is_named_while_node_0_waits(tiny_path, smollm_gguf_path, tmp_path):
+    """--nnodes 2 with no node 1: node 0 had said nothing until its local rank's rendezvous timed out 300 s
+    later, and then named only that rank (a probe). Within seconds a line names node 1, its ranks and the
+    options that start it; the failure names them too (WorkerFailedError; seen with a shortened rendezvous)."""
+    port = free_port()
+    log = open(tmp_path / "node0.log", "w")
+    node0 = subprocess.Popen([sys.executable, "-m", "pagellm.cli", "generate", "--model", tiny_path, "--tokenizer",
+                              smollm_gguf_path, "--kv-cache-memory", "16MiB", "--prompt", "hi", "-tp", "2",
+                              "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+                              str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        want = f"waiting for the other nodes: node 1 (rank 2) not loaded yet: start each with the same model " \
+               f"options and --nnodes 2 --node-rank N --master-addr 127.0.0.1 --master-port {port}"
+        wait_until(lambda: want in (tmp_path / "node0.log").read_text(), timeout=90, what="the waiting line")
+        workers = children(node0.pid)
+        node0.terminate()
+        node0.wait(30)
+        wait_until(lambda: _gone(workers), timeout=15, what="node 0's workers gone")
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+        log.close()
+
+
 def test_two_node_launch_on_one_machine_serves_and_stops_cleanly(tiny_path, smollm_gguf_path, tmp_path):
     """Node 1 runs headless workers for ranks 2 (its share of TP=2 x PP=1 over 2 nodes); node 0 runs the
     engine, its own worker and the HTTP server. SIGTERM to node 0 stops both nodes."""

@@ -36,6 +36,7 @@ from pagellm.model.runner import StepResult
 logger = logging.getLogger("pagellm")
 
 READY_TIMEOUT_S = 900.0  # loading a big model from a slow disk, on every rank at once
+NODE_WAIT_NOTICE_S = 10.0  # then a line names the nodes still missing
 
 
 def node_ranks(world_size: int, nnodes: int, node_rank: int) -> list[int]:
@@ -100,7 +101,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, spec: WorkerSpec, nnodes: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int | None = None):
         super().__init__(spec.args.block_size)
-        self.spec = spec
+        self.spec, self.nnodes = spec, nnodes
         self._closed = False
         self._busy = threading.Lock()  # held while a step talks to the workers
         check_master_addr(master_addr)
@@ -111,6 +112,7 @@ class MultiprocExecutor(Executor):
         except RuntimeError as e:  # c10d's DistNetworkError: the port is taken, or the address is not this host's
             raise ValueError(f"--master-port {port}: cannot listen on {master_addr}: "
                              f"{str(e).strip().splitlines()[-1]}") from None
+        self.master = (master_addr, port)
         # every worker on this host: step messages and results through shared memory, not gloo
         channels = nnodes == 1 and self.local_channels and has_room(TO_WORKERS_BYTES + FROM_RESULT_BYTES)
         if channels:
@@ -155,21 +157,43 @@ class MultiprocExecutor(Executor):
 
     def _wait_for(self, key: str, what: str) -> list[bytes]:
         """Every worker's `key/<rank>` value once all have set it; a worker's error, death or the timeout
-        raises."""
+        raises, naming the other nodes whose ranks never reported (a node not started: the local ranks wait
+        for it until their rendezvous times out)."""
         ranks = range(1, self.spec.world_size)
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        start = time.monotonic()
+        deadline, said = start + READY_TIMEOUT_S, False
         while True:
             error = self._worker_error(0.0)
             if error:
-                raise WorkerFailedError(error)
+                raise WorkerFailedError(error + self._missing_nodes(key, f"never {what}"))
             dead = [p for p in self.procs if p.exitcode is not None]
             if dead:
                 raise WorkerFailedError(f"{dead[0].name} exited with code {dead[0].exitcode} while starting")
             if all(self.store.check([f"{key}/{r}"]) for r in ranks):
                 return [self.store.get(f"{key}/{r}") for r in ranks]
             if time.monotonic() > deadline:
-                raise WorkerFailedError(f"workers not {what} after {READY_TIMEOUT_S:.0f} s")
+                raise WorkerFailedError(f"workers not {what} after {READY_TIMEOUT_S:.0f} s"
+                                        + self._missing_nodes(key, f"never {what}"))
+            if not said and time.monotonic() - start > NODE_WAIT_NOTICE_S:
+                said = True  # a multi-node start is otherwise silent until a timeout minutes later
+                missing = self._missing_nodes(key, f"not {what} yet")
+                if missing:
+                    logger.info("waiting for the other nodes%s", missing.replace(";", ":", 1))
             time.sleep(0.05)
+
+    def _missing_nodes(self, key: str, state: str) -> str:
+        """'; node 1 (rank 2) <state>: start each ...' for the other nodes with a rank that has not set
+        key/<rank>, else ''."""
+        missing = []
+        for node in range(1, self.nnodes):
+            ranks = node_ranks(self.spec.world_size, self.nnodes, node)
+            if not all(self.store.check([f"{key}/{r}"]) for r in ranks):
+                missing.append(f"node {node} (rank {ranks[0]})" if len(ranks) == 1 else
+                               f"node {node} (ranks {ranks[0]}-{ranks[-1]})")
+        if not missing:
+            return ""
+        return (f"; {', '.join(missing)} {state}: start each with the same model options and --nnodes "
+                f"{self.nnodes} --node-rank N --master-addr {self.master[0]} --master-port {self.master[1]}")
 
     def _watch_once(self) -> bool:
         """One look at the local workers; True once there is nothing more to watch (stopped on purpose, or a
@@ -290,6 +314,8 @@ def run_headless(spec_source: tuple[str, int], nnodes: int, node_rank: int) -> i
     them, return the exit status (0 when the engine stopped them)."""
     addr, port = spec_source
     check_master_addr(addr)
+    logger.info("node %d of %d: connecting to node 0 at %s:%d (waiting up to %.0f s for it)", node_rank, nnodes,
+                addr, port, READY_TIMEOUT_S)
     store = TCPStore(addr, port, None, False, datetime.timedelta(seconds=READY_TIMEOUT_S))
     spec: WorkerSpec = pickle.loads(store.get(SPEC_KEY))
     procs = spawn_workers(node_ranks(spec.world_size, nnodes, node_rank), addr, port)
