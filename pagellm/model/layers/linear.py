@@ -7,12 +7,17 @@ matrices may be fused into one layer (q/k/v: 3, gate/up: 2).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from pagellm.platforms.base import OpChoices
 from pagellm.quant.formats import PackedWeight
 from pagellm.quant.linear_method import GGUFBlocksLinearMethod, LinearMethod, UnquantizedLinearMethod
+
+logger = logging.getLogger("pagellm")
+_UNFUSED_SAID: set[tuple[int, int]] = set()  # fused layers' shapes whose shards' blocks could not be fused
 
 
 class Linear(nn.Module):
@@ -101,6 +106,13 @@ class Linear(nn.Module):
             return
         packed = PackedWeight.cat(PackedWeight.unify([self._packed_shards[i] for i in range(self.shards)]))
         self._packed_shards = {}
+        if packed is None and (self.out_features, self.in_features) not in _UNFUSED_SAID:
+            # said (once per shape, not per layer), since it costs memory and speed; rare: GPTQ shares one
+            # column order per input
+            _UNFUSED_SAID.add((self.out_features, self.in_features))
+            logger.warning("a fused layer [%d, %d]: its shards' blocks differ (kinds, act-order column orders or FP8 "
+                           "input scales that no common form holds): it computes with float weights",
+                           self.out_features, self.in_features)
         if packed is not None and (packed.in_features, packed.out_features) == (self.in_features,
                                                                                  self.out_features):
             self.packed = packed
