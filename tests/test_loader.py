@@ -158,7 +158,10 @@ def test_weights_bytes_counts_every_copy_a_layer_keeps(tiny_gguf_model, smollm_g
     model = llm.engine.model
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = sum(_linear_copy_bytes(v) for m in model.modules() if isinstance(m, Linear) for v in vars(m).values())
-    assert copies > 0
+    from pagellm.kernels.build import cpu_kernels
+
+    if cpu_kernels() is not None:  # the GGUF blocks at least (AVX2 with the kernels off: no copy at all)
+        assert copies > 0
     assert llm.engine.weights_bytes == params + copies
 
 

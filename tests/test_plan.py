@@ -160,42 +160,49 @@ def test_plan_sizes_parse_as_the_engines_and_a_length_past_the_context_is_the_co
 
 
 # -- what the engine holds for a real checkpoint (plan/weights.py) ---------------------------------------------
-def _engine_bytes(path: str, tokenizer: str, **kw) -> int:
+def _engine_bytes(path: str, tokenizer: str, dtype: str = "float32", **kw) -> int:
     from pagellm import LLM
 
-    return LLM(path, tokenizer=tokenizer, dtype="float32", kv_cache_memory="8MiB", **kw).engine.weights_bytes
+    return LLM(path, tokenizer=tokenizer, dtype=dtype, kv_cache_memory="8MiB", **kw).engine.weights_bytes
 
 
-def _blocks_here() -> bool:
+def _blocks_here(dtype: str) -> bool:
+    """Whether the engine keeps quantized matrices only in blocks: its native kernels read them at float32. At
+    bfloat16 (and without the kernels) it computes with float copies, as a GPU does."""
     from pagellm.kernels.build import cpu_kernels
 
-    return cpu_kernels() is not None
+    return dtype == "float32" and cpu_kernels() is not None
 
 
-@pytest.mark.parametrize("qtype,tie,dims", [("Q4_1", False, {}), ("Q8_0", True, {}), ("F16", True, {}),
-                                            ("Q4_0", False, {}), ("Q5_0", True, {}), ("Q5_1", False, {})])
-def test_plan_holds_a_gguf_as_the_cpu_engine_does(tiny_gguf_model, smollm_gguf_path, qtype, tie, dims):
+@pytest.mark.parametrize("qtype,tie,dtype", [("Q4_1", False, "float32"), ("Q8_0", True, "float32"),
+                                             ("F16", True, "float32"), ("Q4_0", False, "float32"),
+                                             ("Q5_0", True, "float32"), ("Q5_1", False, "float32"),
+                                             ("Q4_1", True, "bfloat16"), ("Q8_0", False, "bfloat16")])
+def test_plan_holds_a_gguf_as_the_cpu_engine_does(tiny_gguf_model, smollm_gguf_path, qtype, tie, dtype):
     """The plan had taken the file's bytes: the engine widens the blocks' scales to float32 (Q4_1 1.2x, Q5_0 1.6x;
     the K-quants' kinds are below, gguf cannot write them) and keeps a tied head's transposed copy beside a float
     embedding."""
     from pagellm.model.loader import load_config
     from pagellm.plan.weights import gguf_weight_bytes
 
-    path = tiny_gguf_model("llama", qtype=qtype, tie=tie, **dims)
-    planned = gguf_weight_bytes(path, load_config(path), "float32", blocks=_blocks_here())
-    assert planned == _engine_bytes(path, smollm_gguf_path)
+    path = tiny_gguf_model("llama", qtype=qtype, tie=tie)
+    planned = gguf_weight_bytes(path, load_config(path), dtype, blocks=_blocks_here(dtype))
+    assert planned == _engine_bytes(path, smollm_gguf_path, dtype)
 
 
-@pytest.mark.parametrize("quantization,tie", [(None, True), (None, False), ("int4", True), ("int8", False)])
-def test_plan_holds_a_float_checkpoint_as_the_cpu_engine_does(tiny_hf_model, smollm_gguf_path, quantization, tie):
+@pytest.mark.parametrize("quantization,tie,dtype", [(None, True, "float32"), (None, False, "float32"),
+                                                    ("int4", True, "float32"), ("int8", False, "float32"),
+                                                    ("int4", True, "bfloat16"), ("int8", False, "bfloat16")])
+def test_plan_holds_a_float_checkpoint_as_the_cpu_engine_does(tiny_hf_model, smollm_gguf_path, quantization, tie,
+                                                               dtype):
     from pagellm.model.loader import load_config
     from pagellm.plan.weights import hf_weight_bytes
 
     path = tiny_hf_model("qwen2", tie=tie)
     kw = {"int4": dict(quantization="int4", quantization_group_size=32), "int8": dict(quantization="int8")}
     kw = kw.get(quantization, {})
-    planned = hf_weight_bytes(path, load_config(path), "float32", _blocks_here(), quantization)
-    assert planned == _engine_bytes(path, smollm_gguf_path, **kw)
+    planned = hf_weight_bytes(path, load_config(path), dtype, _blocks_here(dtype), quantization)
+    assert planned == _engine_bytes(path, smollm_gguf_path, dtype, **kw)
 
 
 def test_plan_holds_gptq_awq_and_fp8_checkpoints_as_the_cpu_engine_does(tiny_hf_model, smollm_gguf_path, tmp_path):
@@ -219,8 +226,9 @@ def test_plan_holds_gptq_awq_and_fp8_checkpoints_as_the_cpu_engine_does(tiny_hf_
     for method, (config, make) in writers.items():
         out = str(tmp_path / method.replace(" ", "-"))
         qck.write_quantized(src, out, method.split()[0], config, make)
-        planned = hf_weight_bytes(out, load_config(out), "float32", _blocks_here(), None)
-        assert planned == _engine_bytes(out, smollm_gguf_path), method
+        for dtype in ("float32", "bfloat16"):  # blocks, and float copies (with FP8's blocks beside them)
+            planned = hf_weight_bytes(out, load_config(out), dtype, _blocks_here(dtype), None)
+            assert planned == _engine_bytes(out, smollm_gguf_path, dtype), (method, dtype)
 
 
 def test_block_kinds_in_the_plan_are_the_engines():
@@ -242,12 +250,14 @@ def test_block_kinds_in_the_plan_are_the_engines():
         w = pack_gguf_tensor(qtype, raw, (4, 256))
         assert w.kind == kind and w.nbytes == 4 * 256 * kind_bytes_per_weight(kind), qtype
         packed[kind] = w
+    packed["q8_1_16"] = PackedWeight.unify([packed["q8_1"], packed["q4_1_16"]])[0]  # no GGUF type is held so
+    assert packed["q8_1_16"].nbytes == 4 * 256 * kind_bytes_per_weight("q8_1_16")
     for kind in KINDS:
         if kind == "fp8_e4m3":
             assert kind_bytes_per_weight(kind) == 1 + 4 / 32
             continue
         for other in packed:
-            parts = [packed[kind if kind in packed else "q8_1"], packed[other]]
+            parts = [packed[kind], packed[other]]
             unified = PackedWeight.unify(parts)
             same = len({p.kind for p in unified}) == 1
             assert common_kind([p.kind for p in parts]) == (unified[0].kind if same else None)

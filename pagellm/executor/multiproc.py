@@ -157,15 +157,15 @@ class MultiprocExecutor(Executor):
 
     def _wait_for(self, key: str, what: str) -> list[bytes]:
         """Every worker's `key/<rank>` value once all have set it; a worker's error, death or the timeout
-        raises, naming the other nodes whose ranks never reported (a node not started: the local ranks wait
-        for it until their rendezvous times out)."""
+        raises, naming the other nodes with ranks that never connected (a node not started: the local ranks
+        wait for it until their rendezvous times out)."""
         ranks = range(1, self.spec.world_size)
         start = time.monotonic()
         deadline, said = start + READY_TIMEOUT_S, False
         while True:
             error = self._worker_error(0.0)
             if error:
-                raise WorkerFailedError(error + self._missing_nodes(key, f"never {what}"))
+                raise WorkerFailedError(error + self._unconnected_nodes("never connected"))
             dead = [p for p in self.procs if p.exitcode is not None]
             if dead:
                 raise WorkerFailedError(f"{dead[0].name} exited with code {dead[0].exitcode} while starting")
@@ -173,21 +173,21 @@ class MultiprocExecutor(Executor):
                 return [self.store.get(f"{key}/{r}") for r in ranks]
             if time.monotonic() > deadline:
                 raise WorkerFailedError(f"workers not {what} after {READY_TIMEOUT_S:.0f} s"
-                                        + self._missing_nodes(key, f"never {what}"))
+                                        + self._unconnected_nodes("never connected"))
             if not said and time.monotonic() - start > NODE_WAIT_NOTICE_S:
                 said = True  # a multi-node start is otherwise silent until a timeout minutes later
-                missing = self._missing_nodes(key, f"not {what} yet")
+                missing = self._unconnected_nodes("not connected yet")
                 if missing:
                     logger.info("waiting for the other nodes%s", missing.replace(";", ":", 1))
             time.sleep(0.05)
 
-    def _missing_nodes(self, key: str, state: str) -> str:
-        """'; node 1 (rank 2) <state>: start each ...' for the other nodes with a rank that has not set
-        key/<rank>, else ''."""
+    def _unconnected_nodes(self, state: str) -> str:
+        """'; node 1 (rank 2) <state>: start each ...' for the other nodes with a rank that never reached the
+        store (a node still loading has: it is not named), else ''."""
         missing = []
         for node in range(1, self.nnodes):
             ranks = node_ranks(self.spec.world_size, self.nnodes, node)
-            if not all(self.store.check([f"{key}/{r}"]) for r in ranks):
+            if not all(self.store.check([f"connected/{r}"]) for r in ranks):
                 missing.append(f"node {node} (rank {ranks[0]})" if len(ranks) == 1 else
                                f"node {node} (ranks {ranks[0]}-{ranks[-1]})")
         if not missing:

@@ -85,6 +85,7 @@ def worker_main(rank: int, master_addr: str, master_port: int, local_ranks: int)
         die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s pagellm rank {rank} %(levelname)s %(message)s")
     store = TCPStore(master_addr, master_port, None, False, CONNECT_TIMEOUT)
+    store.set(f"connected/{rank}", "1")  # node 0 tells a node still loading from one never started
     spec: WorkerSpec = pickle.loads(store.get(SPEC_KEY))
     try:
         runner, info = _build(spec, rank, local_ranks)

@@ -42,12 +42,16 @@ def load_model(model: str) -> ModelConfig:
 def checkpoint_weight_bytes(model: str, cfg: ModelConfig, dtype: str, quantization: str | None,
                             cpu: bool) -> int | None:
     """What the engine holds for a real checkpoint's weights (plan/weights.py), None for a preset (whose
-    --quantization is a what-if); refuses what the engine refuses. cpu: the engine's native kernels read the
-    blocks (the CPU engine); else a CUDA engine's dequantized weights."""
+    --quantization is a what-if); refuses what the engine refuses. cpu: the CPU engine, whose native kernels
+    read the blocks at float32; else a CUDA engine's dequantized weights."""
     if model in ARCHITECTURES:
         return None
     from pagellm.model.loader import is_gguf_path
     from pagellm.plan.weights import gguf_weight_bytes, hf_weight_bytes
+
+    if cpu and dtype == "float16":
+        raise ValueError("--cpu --dtype float16: the CPU engine computes in float32 or bfloat16")
+    blocks = cpu and dtype == "float32"
 
     if quantization == "fp8":
         raise ValueError(f"--quantization fp8: the engine quantizes a float checkpoint at load to int8 or int4 "
@@ -56,14 +60,14 @@ def checkpoint_weight_bytes(model: str, cfg: ModelConfig, dtype: str, quantizati
         if quantization:
             raise ValueError(f"--quantization {quantization} quantizes a float Hugging Face checkpoint; {model} is "
                              "a GGUF, whose weights are quantized already")
-        return gguf_weight_bytes(model, cfg, dtype, blocks=cpu)
+        return gguf_weight_bytes(model, cfg, dtype, blocks=blocks)
     if quantization and cfg.weight_format:
         raise ValueError(f"--quantization {quantization} quantizes a float checkpoint; {model} is quantized "
                          f"already (quant_method {cfg.weight_format!r})")
-    if quantization and not cpu:
-        print(f"note: on a GPU the engine computes --quantization {quantization} weights in {dtype} (no block "
-              "kernels there) and keeps their blocks beside them", file=sys.stderr)
-    return hf_weight_bytes(model, cfg, dtype, cpu, quantization)
+    if quantization and not blocks:
+        print(f"note: without block kernels (a GPU; a CPU at {dtype}) the engine computes --quantization "
+              f"{quantization} weights in {dtype} and keeps their blocks beside them", file=sys.stderr)
+    return hf_weight_bytes(model, cfg, dtype, blocks, quantization)
 
 
 def add_plan_parser(sub) -> None:

@@ -8,8 +8,9 @@ common kind. Everything else is a float parameter of the run's dtype: norms, bia
 lookups read float rows), and a float LM head. A tied LM head that is not in blocks keeps its own transposed
 copy beside the embedding (the products read [in, out]); one in blocks serves the lookups too.
 
-A CUDA engine has no block kernels: a quantized checkpoint is dequantized to the dtype at load, and
-`--quantization int8|int4` computes with the rounded values in the dtype while the layer also keeps its blocks.
+The block kernels run at float32 on a CPU only. Elsewhere (a CUDA engine, `--dtype bfloat16` on a CPU) a
+quantized checkpoint is dequantized to the dtype at load; `--quantization int8|int4` and W8A8 FP8 layers compute
+with the float copy while keeping their blocks beside it.
 
 tests/test_plan.py checks these bytes against the engine's own count (LLMEngine.weights_bytes) and the kinds'
 sizes against PackedWeight.nbytes.
@@ -98,12 +99,13 @@ def gguf_weight_bytes(path: str, cfg: ModelConfig, dtype: str, blocks: bool) -> 
 
 
 def _hf_headers(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor's (dtype, shape), from the shards the loader reads (safetensors_files)."""
+    from pagellm.model.loader.hf_loader import safetensors_files
     from pagellm.model.loader.safetensors_header import read_safetensors_header
 
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(read_safetensors_header(os.path.join(path, name)))
+    for shard in safetensors_files(path):
+        out.update(read_safetensors_header(shard))
     return out
 
 
@@ -154,7 +156,10 @@ def hf_weight_bytes(path: str, cfg: ModelConfig, dtype: str, blocks: bool, quant
         if qc is not None and qc.desc_act and not rtn:  # act-order: each quantized layer's column order, int64
             perms += 8 * (2 * h + cfg.num_attention_heads * d + inter)
     layers = _layers_bytes(groups, fb) if blocks else sum(w for g in groups.values() for _, w in g) * fb
-    if not blocks and rtn:  # the float copy computes; the blocks are kept beside it
+    # without block kernels the float copy computes, and the blocks stay beside it where they still arrive:
+    # quantized at load, and W8A8 FP8 (its layers round their inputs to e4m3 from the blocks' form)
+    kept_beside = rtn or (qc is not None and qc.method == "fp8")
+    if not blocks and kept_beside:
         layers += _layers_bytes(groups, 0)
     vocab = cfg.vocab_size * h
     head_kind = kind_of("lm_head")
@@ -164,8 +169,8 @@ def hf_weight_bytes(path: str, cfg: ModelConfig, dtype: str, blocks: bool, quant
     total = layers + perms * bool(blocks) + (norms + biases) * fb
     if blocks and head_kind:
         total += vocab * kind_bytes_per_weight(head_kind) + (0 if cfg.tie_word_embeddings else vocab * fb)
-    elif rtn:  # (no block kernels) the head's float copy computes, its blocks beside it; a tied head's serve
-        total += vocab * (fb + kind_bytes_per_weight(rtn)) + (0 if cfg.tie_word_embeddings else vocab * fb)
+    elif rtn:  # (no block kernels) the float embedding, the head's float copy and its blocks beside it
+        total += vocab * (2 * fb + kind_bytes_per_weight(rtn))
     else:  # a float embedding and a float head (a tied one keeps its transposed copy)
         total += 2 * vocab * fb
     return int(total)

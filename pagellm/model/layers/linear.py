@@ -110,8 +110,8 @@ class Linear(nn.Module):
             # said (once per shape, not per layer), since it costs memory and speed; rare: GPTQ shares one
             # column order per input
             _UNFUSED_SAID.add((self.out_features, self.in_features))
-            logger.warning("a fused layer [%d, %d]: its shards' blocks differ (kinds, act-order column orders or FP8 "
-                           "input scales that no common form holds): it computes with float weights",
+            logger.warning("a fused layer [%d, %d]: its shards' blocks differ (kinds or act-order column orders "
+                           "that no common form holds): it computes with float weights",
                            self.out_features, self.in_features)
         if packed is not None and (packed.in_features, packed.out_features) == (self.in_features,
                                                                                  self.out_features):
