@@ -12,7 +12,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.executor.uniproc import UniprocExecutor
 from pagellm.model.attention import AttentionBackend
 from pagellm.model.loader import load_config, resolve_model_path
-from pagellm.model.loader.model_loader import get_model
+from pagellm.model.loader.model_loader import get_model, model_weight_bytes
 from pagellm.model.runner import ModelRunner
 from pagellm.model_config import ModelConfig
 from pagellm.plan import kv_bytes_per_token
@@ -56,7 +56,9 @@ def build_proposer(args: EngineArgs, max_model_len: int, backend: AttentionBacke
         raise ValueError(f"the draft model's vocabulary ({draft_cfg.vocab_size}) differs from the target's "
                          f"({cfg.vocab_size})")
     kv_dtype = resolve_kv_dtype(args, dtype, platform)
-    draft = get_model(path, draft_cfg, platform, dtype, device, packed_weights_only=False)
+    # blocks only where the kernels read them, as the target (float copies beside them had made a SmolLM2 draft
+    # hold 619 MiB against the target's 106: a probe)
+    draft = get_model(path, draft_cfg, platform, dtype, device)
     per_block = kv_bytes_per_block(draft_cfg, args.block_size, kv_dtype)
     num_blocks = parse_bytes(args.draft_kv_cache_memory) // per_block
     if num_blocks < 1:
@@ -64,6 +66,8 @@ def build_proposer(args: EngineArgs, max_model_len: int, backend: AttentionBacke
                          f"({per_block} bytes at block size {args.block_size}): raise --draft-kv-cache-memory")
     runner = ModelRunner(draft, num_blocks, args.block_size, kv_dtype, device, backend, platform,
                          prefault_kv=args.prefault_kv_cache)
-    logger.info("draft model %s: %d layers, %d KV blocks", path, draft_cfg.num_hidden_layers, num_blocks)
+    logger.info("draft model %s: %d layers, weights %.1f MiB, %d KV blocks (%.1f MiB)", path,
+                draft_cfg.num_hidden_layers, model_weight_bytes(draft) / 2**20, num_blocks,
+                num_blocks * per_block / 2**20)
     return DraftModelProposer(UniprocExecutor(runner), sampler, KVCacheManager(num_blocks, args.block_size),
                               args.num_speculative_tokens, max_model_len)

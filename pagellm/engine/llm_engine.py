@@ -120,6 +120,9 @@ class LLMEngine:
                 sched_cfg.max_num_batched_tokens = sched_cfg.max_model_len
         self.scheduler = Scheduler(sched_cfg, self.kv_cache, args.preemption_mode)
         self.max_model_len = sched_cfg.max_model_len
+        # sequences of max_model_len tokens the KV cache holds at once: each takes whole blocks (tokens over
+        # max_model_len had promised 14.6 where 13 fit, at a length of 100: a probe)
+        self.max_concurrency = num_blocks / -(-self.max_model_len // cache.block_size)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids)
         if gpu_memory is not None:
             log_kv_sizing(gpu_memory, cfg, path, dtype, kv_dtype, args, cache.block_size, self.max_model_len)
@@ -164,7 +167,7 @@ class LLMEngine:
             self.bytes_per_block // cache.block_size, per_rank, num_blocks,
             cache.block_size, self.kv_cache.capacity_tokens, num_blocks * self.bytes_per_block / 2**20,
             "resident now" if args.prefault_kv_cache or self.device.type != "cpu" else "resident as blocks fill",
-            self.max_model_len, self.kv_cache.capacity_tokens / self.max_model_len)
+            self.max_model_len, self.max_concurrency)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

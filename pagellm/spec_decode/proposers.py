@@ -85,6 +85,7 @@ class DraftModelProposer(Proposer):
         self.sampler = sampler  # the target's logits processing, applied to the draft's logits too
         self.kv = kv_cache
         self.seqs: dict[str, _DraftSeq] = {}
+        self.said_full = False
 
     def retain(self, live: set[str]) -> None:
         for rid in [rid for rid in self.seqs if rid not in live]:
@@ -110,6 +111,10 @@ class DraftModelProposer(Proposer):
             for _, seq in batch:
                 n = seq.num_tokens - seq.num_computed_tokens
                 if self.kv.allocate_slots(seq, n) is None:  # draft cache full: this one doesn't speculate
+                    if not self.said_full:  # said once: it costs speed, and the remedy is an option
+                        self.said_full = True
+                        logger.warning("the draft model's KV cache (%d blocks) is full: requests past it decode "
+                                       "without drafts; raise --draft-kv-cache-memory", self.kv.num_blocks)
                     continue
                 scheduled.append(ScheduledRequest(seq, n, self.kv.block_table(seq.request_id)))
             if not scheduled:
