@@ -34,10 +34,8 @@ GGUF_KINDS = {"Q4_0": "q4_1", "Q4_1": "q4_1", "Q5_0": "q8_0", "Q5_1": "q8_1", "Q
 _WIDENINGS = {"q4_1": ("q8_1", "q4_1_16", "q8_1_16"), "q8_0": ("q8_1", "q8_0_16", "q8_1_16"), "q8_1": ("q8_1_16",),
               "q4_1_16": ("q8_1_16",), "q8_0_16": ("q8_1_16",)}
 # The layers the engine fuses, by the checkpoint's module names (GGUF, Hugging Face).
-_GGUF_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
-_HF_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
-
+_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up",
+          "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 def kind_bytes_per_weight(kind: str) -> float:
     """Codes (4 or 8 bits) plus float32 scales, and minimums where the kind has them, per 32 or 16 weights."""
@@ -68,34 +66,55 @@ def _layers_bytes(groups: dict[tuple, list[tuple[str | None, int]]], float_bytes
     return total
 
 
+def _held_bytes(cfg: ModelConfig, gguf_names: bool, kind_of, dtype: str, blocks: bool,
+                kept_beside: bool = False) -> int:
+    """The engine's bytes for the model's tensors (names and shapes: model_checks.expected_shapes). kind_of(module):
+    a matrix's block kind as it arrives, None for float; blocks: the kernels read them, so the float copy goes;
+    kept_beside: without such kernels the blocks stay beside the float copy that computes."""
+    from pagellm.model.loader.model_checks import expected_shapes
+
+    fb = FLOAT_BYTES[dtype]
+    embed, head = ("token_embd", "output") if gguf_names else ("model.embed_tokens", "lm_head")
+    groups: dict[tuple, list[tuple[str | None, int]]] = {}
+    floats = 0
+    for name, shape in expected_shapes(cfg, gguf_names)[0].items():
+        module, _, part = name.rpartition(".")
+        if module in (embed, head):
+            continue
+        if len(shape) == 1:  # norms, and biases where the model has them
+            floats += shape[0] if part == "weight" or cfg.attention_bias else 0
+            continue
+        parts = module.split(".")
+        key = (next(p for p in parts if p.isdigit()), _FUSED.get(parts[-1], parts[-1]))
+        groups.setdefault(key, []).append((kind_of(module), math.prod(shape)))
+    if blocks:
+        total = _layers_bytes(groups, fb)
+    else:
+        total = sum(n for shards in groups.values() for _, n in shards) * fb
+        total += _layers_bytes(groups, 0) if kept_beside else 0
+    total += floats * fb
+    vocab, head_kind = cfg.vocab_size * cfg.hidden_size, kind_of(head)
+    if blocks and head_kind:  # a tied head's blocks serve the lookups; an untied embedding stays float
+        total += vocab * kind_bytes_per_weight(head_kind) + (0 if cfg.tie_word_embeddings else vocab * fb)
+    elif kept_beside and head_kind:  # the float embedding, the head's float copy and its blocks beside it
+        total += vocab * (2 * fb + kind_bytes_per_weight(head_kind))
+    else:  # a float embedding and a float head (a tied one keeps its transposed copy)
+        total += 2 * vocab * fb
+    return int(total)
+
+
 def gguf_weight_bytes(path: str, cfg: ModelConfig, dtype: str, blocks: bool) -> int:
     """What the engine holds for a GGUF file's tensors; blocks: the platform's kernels read the blocks."""
     from pagellm.model.loader.gguf_reader import GGUFFile
 
-    fb = FLOAT_BYTES[dtype]
     with GGUFFile(path) as f:
-        tensors = {name: (t.qtype.name, math.prod(t.shape), len(t.shape)) for name, t in f.tensors.items()}
-    groups: dict[tuple, list[tuple[str | None, int]]] = {}
-    floats = 0
-    embed = tensors.get("token_embd.weight")
-    for name, (qtype, n, ndim) in tensors.items():
-        if name in ("token_embd.weight", "rope_freqs.weight"):  # the embedding below; rope_freqs is no weight
-            continue
-        if ndim != 2:  # norms, biases
-            floats += n
-            continue
-        parts = name.split(".")
-        key = (parts[1], _GGUF_FUSED.get(parts[2], parts[2])) if parts[0] == "blk" else (name,)
-        groups.setdefault(key, []).append((GGUF_KINDS.get(qtype) if blocks else None, n))
-    total = _layers_bytes(groups, fb) + floats * fb
-    if embed is not None:
-        qtype, n, _ = embed
-        head_kind = GGUF_KINDS.get(qtype) if blocks else None
-        if cfg.tie_word_embeddings:  # blocks: the head's serve the lookups; float: the embedding and the head's copy
-            total += n * kind_bytes_per_weight(head_kind) if head_kind else 2 * n * fb
-        else:
-            total += n * fb
-    return int(total)
+        types = {name: t.qtype.name for name, t in f.tensors.items()}
+
+    def kind_of(module: str) -> str | None:  # a tied model's head is its embedding
+        qtype = types.get(module + ".weight", types.get("token_embd.weight") if module == "output" else None)
+        return GGUF_KINDS.get(qtype)
+
+    return _held_bytes(cfg, True, kind_of, dtype, blocks)
 
 
 def _hf_headers(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -124,14 +143,9 @@ def hf_weight_bytes(path: str, cfg: ModelConfig, dtype: str, blocks: bool, quant
     (blocks: the platform's kernels read them), or every Linear quantized at load (quantization int8 / int4)."""
     from pagellm.quant.hf_formats.quant_config import read_quant_config
 
-    fb = FLOAT_BYTES[dtype]
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         qc = read_quant_config(path, json.load(f))
     headers = _hf_headers(path)
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {"q_proj": cfg.num_attention_heads * d * h, "k_proj": cfg.num_key_value_heads * d * h,
-              "v_proj": cfg.num_key_value_heads * d * h, "o_proj": h * cfg.num_attention_heads * d,
-              "gate_proj": inter * h, "up_proj": inter * h, "down_proj": h * inter}
     rtn = {"int4": "q4_1", "int8": "q8_0"}.get(quantization or "")
 
     def kind_of(module: str) -> str | None:
@@ -145,32 +159,11 @@ def hf_weight_bytes(path: str, cfg: ModelConfig, dtype: str, blocks: bool, quant
             module + ".qweight" in headers or module + ".weight_packed" in headers
         return _scheme_kind(scheme) if scheme is not None and stored else None
 
-    groups: dict[tuple, list[tuple[str | None, int]]] = {}
-    perms = 0
-    for i in range(cfg.num_hidden_layers):
-        for m in _HF_MODULES:
-            module = f"model.layers.{i}.{m}"
-            short = m.split(".")[1]
-            fused = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
-            groups.setdefault((i, fused.get(short, short)), []).append((kind_of(module), shapes[short]))
-        if qc is not None and qc.desc_act and not rtn:  # act-order: each quantized layer's column order, int64
-            perms += 8 * (2 * h + cfg.num_attention_heads * d + inter)
-    layers = _layers_bytes(groups, fb) if blocks else sum(w for g in groups.values() for _, w in g) * fb
-    # without block kernels the float copy computes, and the blocks stay beside it where they still arrive:
-    # quantized at load, and W8A8 FP8 (its layers round their inputs to e4m3 from the blocks' form)
-    kept_beside = rtn or (qc is not None and qc.method == "fp8")
-    if not blocks and kept_beside:
-        layers += _layers_bytes(groups, 0)
-    vocab = cfg.vocab_size * h
-    head_kind = kind_of("lm_head")
-    norms = (2 * cfg.num_hidden_layers + 1) * h
-    biases = cfg.num_hidden_layers * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d \
-        if cfg.attention_bias else 0
-    total = layers + perms * bool(blocks) + (norms + biases) * fb
-    if blocks and head_kind:
-        total += vocab * kind_bytes_per_weight(head_kind) + (0 if cfg.tie_word_embeddings else vocab * fb)
-    elif rtn:  # (no block kernels) the float embedding, the head's float copy and its blocks beside it
-        total += vocab * (2 * fb + kind_bytes_per_weight(rtn))
-    else:  # a float embedding and a float head (a tied one keeps its transposed copy)
-        total += 2 * vocab * fb
-    return int(total)
+    # act-order: each quantized layer's column order (int64), where blocks are what computes
+    h, d = cfg.hidden_size, cfg.head_dim
+    perms = 8 * cfg.num_hidden_layers * (2 * h + cfg.num_attention_heads * d + cfg.intermediate_size) \
+        if blocks and qc is not None and qc.desc_act and not rtn else 0
+    # without block kernels, blocks still arrive beside the float copy for quantized-at-load layers and W8A8
+    # FP8 ones (those round their inputs to e4m3 from the blocks' form)
+    kept_beside = bool(rtn) or (qc is not None and qc.method == "fp8")
+    return _held_bytes(cfg, False, kind_of, dtype, blocks, kept_beside) + perms
