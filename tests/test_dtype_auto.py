@@ -24,6 +24,10 @@ from pagellm.platforms.base import OpChoices
 # KV cache: median 0.003-0.008, p90 0.011-0.031, max 0.043-0.122, 3-6 of 27 parted at margins <= 0.048; with the
 # int8 KV cache that auto chooses there now: median 0.011-0.014, p90 0.046-0.056, max 0.111-0.152, 10-11 of 27
 # parted at margins 0.007-0.22 (nineteenth session; 4 at once / all at once).
+# One-plane int8 prefill (OpChoices.int8_many_rows: AVX-512 BF16 + VNNI without AMX), all 27 at once on the Zen 4
+# VM: median 0.020, p90 0.076, max 0.328 nats, 17 of 27 parted at margins 0.005-0.209; with
+# PAGELLM_CPU_INT8_PREFILL=0 (oneDNN bf16) median 0.014, p90 0.057, max 0.138, 12 of 27 at <= 0.127 (thirty-eighth
+# session, `benchmarks/dtype_auto_quality.py 256`).
 AUTO_LOGPROB_MEDIAN_TOL = 0.05  # nats
 AUTO_LOGPROB_TOL = 0.5  # nats, any single chosen token
 AUTO_WIDE_MARGIN = 0.3  # nats between float32's top-1 and top-2: such a top-1 must survive bf16 rounding
@@ -72,6 +76,62 @@ def test_platform_chooses_fine_int8_activations_only_for_auto_with_avx512_vnni()
     assert not p.op_choices(torch.float32).int8_all_rows  # the exact mode
     assert ("every product of q4_1/q8_0" in p.describe()["dtype"]) == (
         p.fine_int8_activations and not p.bf16_dot_products)
+
+
+def test_platform_chooses_one_plane_int8_prefill_only_past_vdpbf16ps_under_auto(monkeypatch):
+    """Products past the vdpbf16ps rows (prefill) run on one-plane int8 where auto chose two-plane int8 for few rows
+    and vdpbf16ps for the rows above them (AVX-512 BF16 and VNNI, no AMX); not under an explicit dtype, an explicit
+    --int8-activations / --no-int8-activations, or PAGELLM_CPU_INT8_PREFILL=0."""
+    from pagellm.kernels import ops
+
+    p = get_platform("cpu")
+    auto = p.op_choices(torch.float32, auto=True)
+    wanted = auto.int8_activations == ops.INT8_FINE and auto.bf16_gemm and not auto.amx_on_tiles and \
+        auto.amx_max_rows > 0
+    assert auto.int8_many_rows == wanted
+    assert ("one-plane int8" in p.describe()["dtype"]) == wanted
+    assert not p.op_choices(torch.float32).int8_many_rows
+    assert not p.op_choices(torch.float32, False, auto=True).int8_many_rows
+    assert not p.op_choices(torch.float32, True, auto=True).int8_many_rows
+    monkeypatch.setenv("PAGELLM_CPU_INT8_PREFILL", "0")
+    assert not p.op_choices(torch.float32, auto=True).int8_many_rows
+    monkeypatch.setenv("PAGELLM_CPU_INT8_PREFILL", "yes")
+    with pytest.raises(ValueError, match="PAGELLM_CPU_INT8_PREFILL"):
+        p.op_choices(torch.float32, auto=True)
+
+
+@pytest.mark.skipif(not get_platform("cpu").fine_int8_activations, reason="no AVX-512 VNNI int8 path in this build")
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@torch.no_grad()
+def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
+    """With OpChoices.int8_many_rows a layer keeps no bf16 copy; a product past the few-row and vdpbf16ps rows is
+    one-plane int8_tiles.linear (bf16 x widened), returns float32, and its norm is not asked for bf16 rows; few
+    rows stay two-plane."""
+    from dataclasses import replace
+
+    from test_amx import random_q4_1, random_q8_0
+
+    from pagellm.kernels import int8_tiles, ops
+
+    w = (random_q4_1 if kind == "q4_1" else random_q8_0)(64, 96)
+    choices = OpChoices(native_ops=True, packed_kernels=True, int8_activations=ops.INT8_FINE, bf16_gemm=True,
+                        packed_max_rows=12, amx_max_rows=64, amx_on_tiles=False, int8_many_rows=True)
+    layers = {}
+    for many in (True, False):
+        layer = layers[many] = Linear(96, 64)
+        layer.configure(replace(choices, int8_many_rows=many))
+        layer.load_shard(0, w.dequantize())
+        layer.add_packed_shard(0, w)
+        layer.process_after_loading()
+    layer = layers[True]
+    assert layer.weight_bf16 is None and layer.int8_tiles is not None and layers[False].weight_bf16 is not None
+    x = torch.randn(100, 96)
+    y = layer(x)
+    assert y.dtype == torch.float32 and torch.equal(y, int8_tiles.linear(x, layer.int8_tiles, ops.INT8))
+    xb = x.bfloat16()
+    assert torch.equal(layer(xb), int8_tiles.linear(xb.float(), layer.int8_tiles, ops.INT8))
+    assert not layer.rounds_input_to_bf16(100) and layers[False].rounds_input_to_bf16(100)
+    assert torch.equal(layer(x[:5]), int8_tiles.linear(x[:5], layer.int8_tiles, ops.INT8_FINE))
 
 
 @pytest.mark.skipif(not get_platform("cpu").fine_int8_activations, reason="no AVX-512 VNNI int8 path in this build")
@@ -180,23 +240,46 @@ def test_prepacked_bf16_weights_give_the_plain_products_bit_for_bit():
     assert torch.equal(packed(x), plain(x)[:, 8:24])
 
 
+BATCH_PROMPTS = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
+BATCH_PROMPTS += ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
+
+
 @pytest.mark.slow
 def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
     from pagellm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    prompts = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
-    prompts += ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
-    # the bf16 GEMMs' bounds: few-row steps (int8 activations where the platform chose them) are tested below
+    # the bf16 GEMMs' bounds: few-row steps (int8 activations where the platform chose them) and one-plane int8
+    # prefill are tested below
     exact = LLM(smollm_gguf_path, dtype="float32")
     auto = LLM(smollm_gguf_path, dtype="auto", int8_activations=False)
     bf16 = auto.engine.model.layers[0].mlp.down_proj.weight_bf16 is not None
     assert bf16 == get_platform("cpu").op_choices(torch.float32, auto=True).bf16_gemm
-    a = exact.generate(prompts, params, use_tqdm=False)
-    b = auto.generate(prompts, params, use_tqdm=False)
+    a = exact.generate(BATCH_PROMPTS, params, use_tqdm=False)
+    b = auto.generate(BATCH_PROMPTS, params, use_tqdm=False)
     if not bf16:  # no bf16 dot products here: auto is float32, and exact
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
         return
+    diffs = agreeing_logprob_diffs([o.outputs[0] for o in a], [o.outputs[0] for o in b], AUTO_WIDE_MARGIN)
+    assert len(diffs) >= 100
+    assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_one_plane_int8_prefill_stays_within_the_same_bounds(smollm_gguf_path):
+    """Where the platform runs prefill on one-plane int8 (the 27 prompts in one step of ~400 rows; decode steps
+    of 27 rows on vdpbf16ps, few-row ones on two planes), the bounds above hold. Its tail is about twice the bf16
+    GEMMs' (the figures at the top)."""
+    from pagellm import LLM, SamplingParams
+
+    if not get_platform("cpu").op_choices(torch.float32, auto=True).int8_many_rows:
+        pytest.skip("prefill is not one-plane int8 here (it is where AVX-512 BF16 and VNNI meet without AMX)")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    exact, auto = LLM(smollm_gguf_path, dtype="float32"), LLM(smollm_gguf_path, dtype="auto")
+    layer = auto.engine.model.layers[0].mlp.down_proj
+    assert layer.weight_bf16 is None and layer.int8_tiles is not None
+    a = exact.generate(BATCH_PROMPTS, params, use_tqdm=False)
+    b = auto.generate(BATCH_PROMPTS, params, use_tqdm=False)
     diffs = agreeing_logprob_diffs([o.outputs[0] for o in a], [o.outputs[0] for o in b], AUTO_WIDE_MARGIN)
     assert len(diffs) >= 100
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL
@@ -233,6 +316,7 @@ def test_norms_hand_bf16_products_bf16_rows_without_changing_a_bit(smollm_gguf_p
     from pagellm import LLM, SamplingParams
     from pagellm.kernels import ops
 
+    monkeypatch.setenv("PAGELLM_CPU_INT8_PREFILL", "0")  # where prefill would be one-plane int8: the bf16 products
     llm = LLM(smollm_gguf_path, dtype="auto", enable_prefix_caching=False)
     if llm.engine.model.layers[0].self_attn.qkv_proj.weight_bf16 is None:
         pytest.skip("no bf16 products here (no AVX-512 BF16 or AMX): the norms stay float32")

@@ -88,13 +88,31 @@ def test_a_row_gives_the_same_bits_in_any_call_and_stays_near_the_float_product(
     assert ((alone - old).abs().max() / ref.abs().max()).item() < (1e-5 if planes == 2 else 1e-4)
 
 
+@needs_path
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("shape", [(80, 576), (96, 1536)])
+def test_many_rows_give_the_same_bits_as_few_row_calls(kind, shape):
+    """From 48 rows on AVX-512 VNNI, one plane, the wide kernel (cpu/quant_linear_int8_wide.cpp: 6 rows x 2 strips
+    a tile, rows in chunks of 240, x rounded in parallel) runs; a row's bits are those of a call of a few rows. 80
+    columns: two strip pairs and a strip alone; row counts at the 48-row limit, the tiles' remainders of 1-5 rows
+    and the chunk edges."""
+    torch.manual_seed(7)
+    n, k = shape
+    t = int8_tiles.pack(RANDOM[kind](n, k, seed=4))
+    x = torch.randn(490, k) * 2
+    few = torch.cat([int8_tiles.linear(x[i:i + 10], t, 1, "vnni") for i in range(0, 490, 10)])
+    for rows in (47, 48, 49, 52, 53, 59, 239, 240, 241, 490):
+        assert torch.equal(int8_tiles.linear(x[:rows], t, 1, "vnni"), few[:rows]), rows
+    assert torch.equal(int8_tiles.linear(x[3:300], t, 1, "vnni"), few[3:300])  # strided start, a chunk and a bit
+
+
 @needs_tiles
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_tiles_and_vnni_give_the_same_bits(kind):
     torch.manual_seed(5)
     w = RANDOM[kind](64, 1536, seed=2)
     t = int8_tiles.pack(w)
-    for rows in (1, 3, 16, 20):
+    for rows in (1, 3, 16, 20, 70):  # 70: the wide VNNI kernel against the tiles
         x = torch.randn(rows, 1536) * 3
         for planes in (1, 2):
             assert torch.equal(int8_tiles.linear(x, t, planes, "tiles"), int8_tiles.linear(x, t, planes, "vnni"))

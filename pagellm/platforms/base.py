@@ -40,7 +40,11 @@ class OpChoices:
     0: never); amx_on_tiles: those products run on AMX tiles (True) or, on CPUs with AVX-512 BF16 but no AMX,
     on vdpbf16ps over the same blocks (False: the same arithmetic, cpu/quant_linear_bf16dp.cpp);
     int8_all_rows: layers whose blocks are in int8 tile order take their two-plane int8 products at every row
-    count, not only up to packed_max_rows (kernels/int8_tiles.py; where many-row products would be float32)."""
+    count, not only up to packed_max_rows (kernels/int8_tiles.py; where many-row products would be float32);
+    int8_many_rows: products of layers with int8 tile-order blocks that neither the few-row kernels nor the AMX /
+    vdpbf16ps ones take run on one-plane int8 activations (llama.cpp's per-32 rounding) instead of the bf16 copy,
+    which such layers then do not keep (prefill on AVX-512 BF16 + VNNI CPUs without AMX:
+    cpu/quant_linear_int8_wide.cpp)."""
 
     native_ops: bool = False
     packed_kernels: bool = False
@@ -53,6 +57,7 @@ class OpChoices:
     amx_max_rows: int = 0
     amx_on_tiles: bool = True
     int8_all_rows: bool = False
+    int8_many_rows: bool = False
 
     @property
     def op_impl(self) -> str:

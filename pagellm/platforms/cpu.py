@@ -67,6 +67,10 @@ AMX_INT8_PACKED_MAX_ROWS = 6
 # --vdpbf16ps, two runs): 1.26-1.54x at 16 rows, 1.18-1.51x at 32, 1.19-1.21x at 48, 1.11-1.16x at 64, 0.96-1.11x
 # at 128 (benchmarks/NOTES.md, twentieth session).
 BF16DP_MAX_ROWS = 64
+# There, past those rows (prefill), q4_1 and q8_0 products run on one-plane int8 over the int8 tile-order blocks
+# (cpu/quant_linear_int8_wide.cpp: 64 multiply-adds per vpdpbusd against vdpbf16ps's 32) instead of oneDNN's bf16
+# product, and the bf16 copies are not kept. The model's four products at 2,048 rows on the Zen 4 VM: 1.2-1.3x
+# (benchmarks/NOTES.md, thirty-eighth session). PAGELLM_CPU_INT8_PREFILL=0 keeps oneDNN's bf16 products.
 
 # Freed memory glibc keeps at the top of a heap before it gives it back by itself (see loading()).
 TRIM_THRESHOLD = 256 << 20
@@ -96,7 +100,8 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
 
 
-SWITCHES = {"PAGELLM_CPU_KERNELS": ("1", "0"), "PAGELLM_CPU_AMX": ("1", "0"), "PAGELLM_CPU_BLAS": ("openblas", "torch")}
+SWITCHES = {"PAGELLM_CPU_KERNELS": ("1", "0"), "PAGELLM_CPU_AMX": ("1", "0"), "PAGELLM_CPU_BLAS": ("openblas", "torch"),
+            "PAGELLM_CPU_INT8_PREFILL": ("1", "0")}
 
 
 def _switch(name: str) -> str:
@@ -226,7 +231,14 @@ class CpuPlatform(Platform):
                          packed_max_rows=few_rows, bf16_prepacked=bf16 and torch.backends.mkldnn.is_available(),
                          amx_max_rows=AMX_MAX_ROWS if amx else BF16DP_MAX_ROWS if vdpbf16ps else 0,
                          amx_on_tiles=not vdpbf16ps,
-                         int8_all_rows=auto and native and not bf16 and mode == ops.INT8_FINE)
+                         int8_all_rows=auto and native and not bf16 and mode == ops.INT8_FINE,
+                         int8_many_rows=vdpbf16ps and mode == ops.INT8_FINE and self.int8_prefill)
+
+    @property
+    def int8_prefill(self) -> bool:
+        """Whether many-row products past the vdpbf16ps ones may run on one-plane int8 (OpChoices.int8_many_rows);
+        PAGELLM_CPU_INT8_PREFILL=0 keeps oneDNN's bf16 products there."""
+        return _switch("PAGELLM_CPU_INT8_PREFILL") == "1"
 
     @property
     def amx_tiles(self) -> bool:
@@ -376,7 +388,9 @@ class CpuPlatform(Platform):
             "dtype": f"auto -> {str(dtype).removeprefix('torch.')}" + (
                 f" activations, bf16 GEMMs above {choices.packed_max_rows} rows" if choices.bf16_gemm else "") + (
                 "" if not choices.int8_activations else ", two-plane int8 activations in every product of q4_1/q8_0 "
-                "blocks" if choices.int8_all_rows else ", two-plane int8 activations in few-row products"),
+                "blocks" if choices.int8_all_rows else ", two-plane int8 activations in few-row products") + (
+                f", one-plane int8 in q4_1/q8_0 products above {choices.amx_max_rows} rows"
+                if choices.int8_many_rows else ""),
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",

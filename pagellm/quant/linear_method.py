@@ -164,8 +164,9 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return self.choices.int8_activations
 
     def process_after_loading(self, layer) -> None:
-        super().process_after_loading(layer)  # the bfloat16 copy, from the blocks
         self.pack_tile_orders(layer)
+        if not self.int8_many(layer):  # the bfloat16 copy, from the blocks, unless one-plane int8 takes its rows
+            super().process_after_loading(layer)
         # A kind no kernel reads keeps its float copy: that is what it computes with.
         if self.choices.packed_weights_only and self.reads_blocks(layer.packed):
             drop_float_weight(layer)
@@ -184,6 +185,15 @@ class GGUFBlocksLinearMethod(LinearMethod):
         """Whether a many-row product of this many rows runs on AMX tiles over the blocks."""
         return layer.amx_blocks is not None and path_rows(rows, self.choices) <= self.choices.amx_max_rows
 
+    def int8_many(self, layer) -> bool:
+        """Whether this layer's many-row products run on one-plane int8 over its int8 tile-order blocks."""
+        return self.choices.int8_many_rows and layer.int8_tiles is not None
+
+    def int8_rows(self, layer, rows: int) -> bool:
+        """Whether a product of this many rows runs there: one that neither the few-row nor the AMX / vdpbf16ps
+        kernels take (prefill)."""
+        return self.int8_many(layer) and not self.few_rows(layer, rows) and not self.amx_rows(layer, rows)
+
     def reads_blocks(self, packed: PackedWeight) -> bool:
         return self.choices.packed_kernels and ops.kernel_reads(packed)
 
@@ -198,7 +208,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return path_rows(rows, self.choices) <= self.max_rows and self.reads_blocks(layer.packed)
 
     def bf16_rows(self, layer, rows: int) -> bool:
-        return layer.weight_bf16 is not None and not self.few_rows(layer, rows)
+        return layer.weight_bf16 is not None and not self.few_rows(layer, rows) and not self.int8_rows(layer, rows)
 
     def apply(self, layer, x):
         packed: PackedWeight = layer.packed
@@ -208,6 +218,9 @@ class GGUFBlocksLinearMethod(LinearMethod):
         if not few and self.amx_rows(layer, x.shape[0]):  # as bf16_matmul: bf16 out where it feeds a bf16 op
             y = amx.linear(x, layer.amx_blocks, torch.bfloat16 if self.bf16_output(layer) else torch.float32,
                            tiles=self.choices.amx_on_tiles)
+            return y if layer.bias is None else y.add_(layer.bias)
+        if not few and self.int8_rows(layer, x.shape[0]):  # float32 out: the next op takes it as it is
+            y = int8_tiles.linear(x.float() if x.dtype == torch.bfloat16 else x, layer.int8_tiles, ops.INT8)
             return y if layer.bias is None else y.add_(layer.bias)
         if layer.weight_bf16 is not None and not few:
             return self.bf16_matmul(layer, x)

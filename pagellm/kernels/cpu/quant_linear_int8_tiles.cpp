@@ -14,8 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "amx_tiles.h"
-#include "quant_linear_vnni.h"
+#include "int8_tile_rows.h"
 
 #ifdef PAGELLM_VNNI512
 #include <algorithm>
@@ -28,7 +27,7 @@ extern "C" int pagellm_amx_ready();
 
 namespace {
 
-constexpr int COLS = 16, BLOCK = 32;
+using namespace int8_tile_rows;
 // Up to this many rows the VNNI path runs, past it the tiles where the build and the OS have them. A decode
 // step's 121 products (30 layers + LM head, cold weights) on the Xeon VM, VNNI vs tiles, ms, two runs
 // (benchmarks/microbench_int8_tiles.py 10 12 16 20 24 28 32): 10 rows 10.6-10.8 vs 12.8-13.4, 16 15.0-15.4 vs
@@ -37,79 +36,6 @@ constexpr int COLS = 16, BLOCK = 32;
 // not help: the tile stores and loads are the cost), and VNNI's passes of up to 6 rows made it cheaper
 // (the sixteenth session had the crossover at 10-12 rows).
 constexpr int VNNI_MAX_ROWS = 24;
-
-template <bool Q8>
-constexpr int CODE_BYTES = Q8 ? 512 : 256;  // one (strip, block)
-
-// x rounded per block: planes of int8 [Mpad, K] (rows past M zero), 64-byte aligned for the tile loads.
-struct Rows {
-    int M = 0, Mpad = 0, K = 0, nb = 0;
-    std::vector<int8_t> raw;
-    int8_t* q[2] = {nullptr, nullptr};
-    std::vector<float> scale;    // [Mpad, nb]: the block's x scale (d, or d / 128 with two planes); 0 past M
-    std::vector<float> sum;      // [Mpad, nb]: the sum of the block's rounded x (q4_1's m term)
-    std::vector<int32_t> bias;   // [Mpad, nb]: 128 x the integer sum the products see (q8_0's +128 codes)
-};
-
-Rows prepare(const float* x, int64_t ldx, int M, int K, int planes, int pad) {
-    Rows r;
-    r.M = M, r.K = K, r.nb = K / BLOCK, r.Mpad = (M + pad - 1) / pad * pad;
-    const size_t plane = (size_t)r.Mpad * K;
-    r.raw.assign(planes * plane + 64, 0);
-    int8_t* base = aligned64(r.raw.data());
-    r.q[0] = base, r.q[1] = planes == 2 ? base + plane : nullptr;
-    r.scale.assign((size_t)r.Mpad * r.nb, 0.f);
-    r.sum.assign((size_t)r.Mpad * r.nb, 0.f);
-    r.bias.assign((size_t)r.Mpad * r.nb, 0);
-    for (int i = 0; i < M; ++i)
-        for (int b = 0; b < r.nb; ++b) {
-            const float* xb = x + i * ldx + b * BLOCK;
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-            const size_t at = (size_t)i * r.nb + b;
-            __m512 v0 = x0, v1 = x1;
-            int8_t* q0 = r.q[0] + (size_t)i * K + b * BLOCK;
-            const float d = vnni512::round_block(v0, v1, q0, q0 + 16);
-            int32_t total = 0;
-            for (int k = 0; k < BLOCK; ++k) total += q0[k];
-            if (planes == 2) {  // the rounding error in steps of d / 128, as quant_linear_vnni.h's prepare
-                int8_t* q1 = r.q[1] + (size_t)i * K + b * BLOCK;
-                vnni512::round_error(x0, x1, v0, v1, d, q1, q1 + 16);
-                total *= 128;
-                for (int k = 0; k < BLOCK; ++k) total += q1[k];
-            }
-            r.scale[at] = planes == 2 ? d / 128.f : d;
-            r.bias[at] = 128 * total;
-            // q4_1's m term from the rounded x the codes meet, not x's exact sum: the codes are 0..15, so x's
-            // rounding errors e came in as d q . e; with the m term on the same values they are w . e, centred
-            // (one plane: a 2.5x smaller mean error on gguf-quantized weights, tests/test_int8_activations.py)
-            r.sum[at] = r.scale[at] * (float)total;
-        }
-    return r;
-}
-
-// The float work after a block's integer sums s (16 columns of one row): the one place both paths round.
-template <bool Q8>
-inline __m512 accumulate(__m512 acc, __m512i s, const Rows& x, size_t at, __m512 dv, __m512 mv) {
-    if constexpr (Q8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x.bias[at]));
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(x.scale[at])), dv, acc);
-    if constexpr (!Q8) acc = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sum[at]), acc);
-    return acc;
-}
-
-// A (strip, block)'s codes as the 8 tile rows of unsigned bytes.
-template <bool Q8>
-inline void load_codes(const uint8_t* codes, __m512i* u) {
-    if constexpr (Q8) {
-        for (int j = 0; j < 8; ++j) u[j] = _mm512_loadu_si512(codes + 64 * j);
-    } else {
-        const __m512i low = _mm512_set1_epi8(0x0F);
-        for (int j = 0; j < 4; ++j) {
-            const __m512i w = _mm512_loadu_si512(codes + 64 * j);
-            u[j] = _mm512_and_si512(w, low);
-            u[j + 4] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-        }
-    }
-}
 
 // The rows' integer sums against one block (u: its tile rows): two chains per plane (latency), then
 // 128 * plane 0 + plane 1, exact in int32.
@@ -253,7 +179,11 @@ void amx_strip(const Rows& x, const uint8_t* codes, const float* d, const float*
 template <int Planes, bool Q8>
 int run(const float* xf, int64_t ldx, int M, int K, const uint8_t* codes, const float* d, const float* m, int N,
         float* y, int64_t ldy, int nthreads, bool tiles) {
-    const Rows x = prepare(xf, ldx, M, K, Planes, tiles ? 16 : 1);
+    const Rows x = prepare(xf, ldx, M, K, Planes, tiles ? 16 : 1, nthreads);
+    if (Planes == 1 && !tiles && M >= WIDE_MIN_ROWS) {
+        wide_rows(Q8, x, codes, d, m, N, y, ldy, nthreads);
+        return 0;
+    }
     const int strips = N / COLS, nb = K / BLOCK;
     const size_t code_stride = (size_t)nb * CODE_BYTES<Q8>, scale_stride = (size_t)nb * COLS;
     nthreads = std::max(1, std::min(nthreads, strips));
