@@ -9,7 +9,8 @@ any CPU. Compared against float32 with dtype_auto_quality.py's prompts and measu
 
 The thirty-sixth session ran the real kernel this way on a Zen 4 (a scratch switch): no faster than oneDNN's
 bf16 in the offline workload, so not kept (benchmarks/NOTES.md); its q4_1 minimums now meet the rounded x as
-this emulation's do.
+this emulation's do. The thirty-eighth session's wide kernel (cpu/quant_linear_int8_wide.cpp) is faster, and
+auto runs prefill this way on such CPUs (OpChoices.int8_many_rows); dtype_auto_quality.py measures the real thing.
 """
 
 from __future__ import annotations

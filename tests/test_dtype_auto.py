@@ -132,6 +132,11 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
     assert torch.equal(layer(xb), int8_tiles.linear(xb.float(), layer.int8_tiles, ops.INT8))
     assert not layer.rounds_input_to_bf16(100) and layers[False].rounds_input_to_bf16(100)
     assert torch.equal(layer(x[:5]), int8_tiles.linear(x[:5], layer.int8_tiles, ops.INT8_FINE))
+    # a tensor-parallel cut the tile orders cannot take (24 columns) gets its bf16 copy back for those rows
+    layer.shard(rows=torch.arange(8, 32))
+    assert layer.int8_tiles is None and layer.weight_bf16 is not None and layer.rounds_input_to_bf16(100)
+    ref = x @ w.dequantize()[8:32].t()
+    assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
 @pytest.mark.skipif(not get_platform("cpu").fine_int8_activations, reason="no AVX-512 VNNI int8 path in this build")
@@ -287,9 +292,10 @@ def test_one_plane_int8_prefill_stays_within_the_same_bounds(smollm_gguf_path):
 
 @pytest.mark.slow
 def test_dtype_auto_single_stream_stays_close_to_float32(smollm_gguf_path):
-    """One request at a time under auto: prefill takes the bf16 GEMMs, decode steps of one row the few-row
-    kernels, with two-plane int8 activations where the platform chose them: the bf16 bounds above hold (the
-    second plane keeps the products at float32 level; one-plane int8 would not: tests/test_kernels.py)."""
+    """One request at a time under auto: prefill (prompts of under 64 tokens here) takes the bf16 products, decode
+    steps of one row the few-row kernels, with two-plane int8 activations where the platform chose them: the bf16
+    bounds above hold (the second plane keeps the products at float32 level; one-plane int8 would not:
+    tests/test_kernels.py)."""
     from pagellm import LLM, SamplingParams
     from pagellm.kernels import ops
 

@@ -337,12 +337,18 @@ def test_dtype_auto_speculation_is_lossless_at_small_batches(smollm_gguf_path):
 
     plain = LLM(dtype="auto")
     proj = plain.engine.model.layers[0].mlp.gate_up_proj
-    if proj.weight_bf16 is not None:
-        limit = proj.quant_method.max_rows  # 6, or 12 with int8 activations (platforms/cpu.py)
+    method = proj.quant_method
+    if method.choices.bf16_gemm:
+        limit = method.max_rows  # 6, or 12 with int8 activations (platforms/cpu.py)
         assert proj.bf16_rows(20)
         with drafts_in_step(16):  # 4 requests, 4 drafts each
             assert not proj.bf16_rows(20)
             assert proj.bf16_rows(16 + limit + 1)  # limit + 1 requests' rows: the plain step would be bf16 too
+        if method.choices.int8_many_rows:  # prefill's one-plane int8, past the vdpbf16ps rows: drafts do not count
+            past = method.choices.amx_max_rows + 1
+            assert method.int8_rows(proj, past) and not method.int8_rows(proj, past - 1)
+            with drafts_in_step(16):
+                assert not method.int8_rows(proj, past + 15) and proj.bf16_rows(past + 15)
     msgs = [{"role": "user", "content": GROUNDED_PROMPT}]
     params = SamplingParams(temperature=0, max_tokens=200)
     base = [o.outputs[0].token_ids for o in plain.chat([msgs] * 4, params, use_tqdm=False)]

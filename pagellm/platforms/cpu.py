@@ -67,10 +67,9 @@ AMX_INT8_PACKED_MAX_ROWS = 6
 # --vdpbf16ps, two runs): 1.26-1.54x at 16 rows, 1.18-1.51x at 32, 1.19-1.21x at 48, 1.11-1.16x at 64, 0.96-1.11x
 # at 128 (benchmarks/NOTES.md, twentieth session).
 BF16DP_MAX_ROWS = 64
-# There, past those rows (prefill), q4_1 and q8_0 products run on one-plane int8 over the int8 tile-order blocks
-# (cpu/quant_linear_int8_wide.cpp: 64 multiply-adds per vpdpbusd against vdpbf16ps's 32) instead of oneDNN's bf16
-# product, and the bf16 copies are not kept. The model's four products at 2,048 rows on the Zen 4 VM: 1.2-1.3x
-# (benchmarks/NOTES.md, thirty-eighth session). PAGELLM_CPU_INT8_PREFILL=0 keeps oneDNN's bf16 products.
+# Past them (prefill) q4_1/q8_0 products run on one-plane int8 over the int8 tile order (cpu/quant_linear_int8_wide.cpp,
+# 64 multiply-adds per vpdpbusd to vdpbf16ps's 32), not oneDNN's bf16: 1.2-1.3x at 2,048 rows on the Zen 4 VM
+# (NOTES, 38th session). PAGELLM_CPU_INT8_PREFILL=0 keeps oneDNN's bf16 products there.
 
 # Freed memory glibc keeps at the top of a heap before it gives it back by itself (see loading()).
 TRIM_THRESHOLD = 256 << 20
@@ -232,13 +231,8 @@ class CpuPlatform(Platform):
                          amx_max_rows=AMX_MAX_ROWS if amx else BF16DP_MAX_ROWS if vdpbf16ps else 0,
                          amx_on_tiles=not vdpbf16ps,
                          int8_all_rows=auto and native and not bf16 and mode == ops.INT8_FINE,
-                         int8_many_rows=vdpbf16ps and mode == ops.INT8_FINE and self.int8_prefill)
-
-    @property
-    def int8_prefill(self) -> bool:
-        """Whether many-row products past the vdpbf16ps ones may run on one-plane int8 (OpChoices.int8_many_rows);
-        PAGELLM_CPU_INT8_PREFILL=0 keeps oneDNN's bf16 products there."""
-        return _switch("PAGELLM_CPU_INT8_PREFILL") == "1"
+                         int8_many_rows=vdpbf16ps and mode == ops.INT8_FINE and
+                         _switch("PAGELLM_CPU_INT8_PREFILL") == "1")
 
     @property
     def amx_tiles(self) -> bool:
@@ -399,7 +393,8 @@ class CpuPlatform(Platform):
                                    "for other weights" if choices.int8_all_rows else "float32") + (
                 f"; q4_1/q8_0 blocks dequantized into {'AMX bf16 tiles' if choices.amx_on_tiles else 'vdpbf16ps'}"
                 f" products up to {choices.amx_max_rows} rows"
-                if choices.amx_max_rows else ""),
+                if choices.amx_max_rows else "") + (
+                ", one-plane int8 over them past that (VNNI)" if choices.int8_many_rows else ""),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
             "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))],
             "kv_cache_dtype": f"auto -> {str(self.auto_kv_dtype(dtype)).removeprefix('torch.')} under --dtype auto",

@@ -165,11 +165,17 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def process_after_loading(self, layer) -> None:
         self.pack_tile_orders(layer)
-        if not self.int8_many(layer):  # the bfloat16 copy, from the blocks, unless one-plane int8 takes its rows
-            super().process_after_loading(layer)
+        self.prepack_bf16(layer)
         # A kind no kernel reads keeps its float copy: that is what it computes with.
         if self.choices.packed_weights_only and self.reads_blocks(layer.packed):
             drop_float_weight(layer)
+
+    def prepack_bf16(self, layer) -> None:
+        """The bfloat16 copy, from the blocks, where the platform chose bf16 GEMMs, unless one-plane int8 takes the
+        rows it would (int8_many); also after a tensor-parallel cut that the int8 tile order no longer takes."""
+        if self.choices.bf16_gemm and layer.weight_bf16 is None and not self.int8_many(layer):
+            layer.weight_bf16 = self.float_weight(layer).to(torch.bfloat16).contiguous()
+        super().prepack_bf16(layer)
 
     def pack_tile_orders(self, layer) -> None:
         """The blocks in AMX tile order where the platform chose AMX products and the kernel takes the kind, and
@@ -186,8 +192,9 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return layer.amx_blocks is not None and path_rows(rows, self.choices) <= self.choices.amx_max_rows
 
     def int8_many(self, layer) -> bool:
-        """Whether this layer's many-row products run on one-plane int8 over its int8 tile-order blocks."""
-        return self.choices.int8_many_rows and layer.int8_tiles is not None
+        """Whether this layer's many-row products run on one-plane int8 over its int8 tile-order blocks: those past
+        the vdpbf16ps rows, so only where the layer has those (amx_blocks: N % 32 == 0) to take the rows below."""
+        return self.choices.int8_many_rows and layer.int8_tiles is not None and layer.amx_blocks is not None
 
     def int8_rows(self, layer, rows: int) -> bool:
         """Whether a product of this many rows runs there: one that neither the few-row nor the AMX / vdpbf16ps
@@ -208,7 +215,9 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return path_rows(rows, self.choices) <= self.max_rows and self.reads_blocks(layer.packed)
 
     def bf16_rows(self, layer, rows: int) -> bool:
-        return layer.weight_bf16 is not None and not self.few_rows(layer, rows) and not self.int8_rows(layer, rows)
+        if self.few_rows(layer, rows) or self.int8_rows(layer, rows):
+            return False
+        return layer.weight_bf16 is not None or self.amx_rows(layer, rows)
 
     def apply(self, layer, x):
         packed: PackedWeight = layer.packed

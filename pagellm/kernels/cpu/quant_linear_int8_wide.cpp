@@ -5,10 +5,10 @@
 // vpdpbusd).
 //
 // The few-row path (quant_linear_int8_tiles.cpp) takes one strip of 16 columns past up to 12 rows and unpacks
-// q4_1's nibbles for every pass; here a register tile is 4 rows x 2 strips: the 16 code vectors of a block
-// (unpacked once per pass over a chunk of rows into a thread's buffer) stay in registers for 4 rows, and x's 4
-// bytes are broadcast once for both strips. Rows go in chunks of CHUNK_ROWS, whose rounded x stays in L2 across
-// the pass over the strips. The integer sums are exact and the float work is accumulate's, in the same order, so
+// q4_1's nibbles for every pass; here a register tile is 6 rows x 2 strips: each code vector of a block (unpacked
+// once per chunk of rows into a thread's buffer) is loaded once per input quad for the 6 rows, and x's 4 bytes are
+// broadcast once for both strips. Rows go in chunks of CHUNK_ROWS, whose rounded x stays in L2 across the strips;
+// the threads share (chunk, strip pair) items, chunk by chunk, with no barrier between chunks. The integer sums are exact and the float work is accumulate's, in the same order, so
 // a row's result has the same bits as on the few-row path.
 #include "int8_tile_rows.h"
 
@@ -81,41 +81,40 @@ void wide(const Rows& x, const uint8_t* codes, const float* d, const float* m, i
           int nthreads) {
     const int strips = N / COLS, pairs = (strips + 1) / 2, nb = x.nb;
     const size_t code_stride = (size_t)nb * CODE_BYTES<Q8>, scale_stride = (size_t)nb * COLS;
-    nthreads = std::max(1, std::min(nthreads, pairs));
+    const int chunks = (x.M + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    nthreads = std::max(1, std::min(nthreads, chunks * pairs));
 #pragma omp parallel num_threads(nthreads)
     {
         std::vector<uint8_t> raw(Q8 ? 0 : 2 * (size_t)nb * 512 + 64);  // a pair's q4_1 codes, unpacked
         uint8_t* unpacked = aligned64(raw.data());
-        for (int c0 = 0; c0 < x.M; c0 += CHUNK_ROWS) {
-            const int c1 = std::min(x.M, c0 + CHUNK_ROWS);
 #pragma omp for schedule(static)
-            for (int p = 0; p < pairs; ++p) {
-                const int s0 = 2 * p, n = std::min(2, strips - s0);
-                const uint8_t* u[2] = {nullptr, nullptr};
-                const float* ds[2] = {nullptr, nullptr};
-                const float* ms[2] = {nullptr, nullptr};
-                for (int c = 0; c < n; ++c) {
-                    const uint8_t* cs = codes + (s0 + c) * code_stride;
-                    ds[c] = d + (s0 + c) * scale_stride;
-                    if constexpr (Q8) {
-                        u[c] = cs;
-                    } else {
-                        ms[c] = m + (s0 + c) * scale_stride;
-                        uint8_t* out = unpacked + (size_t)c * nb * 512;
-                        for (int b = 0; b < nb; ++b) {
-                            __m512i w[8];
-                            load_codes<false>(cs + (size_t)b * 256, w);
-                            for (int j = 0; j < 8; ++j) _mm512_store_si512(out + (size_t)b * 512 + 64 * j, w[j]);
-                        }
-                        u[c] = out;
+        for (int item = 0; item < chunks * pairs; ++item) {
+            const int c0 = item / pairs * CHUNK_ROWS, c1 = std::min(x.M, c0 + CHUNK_ROWS), p = item % pairs;
+            const int s0 = 2 * p, n = std::min(2, strips - s0);
+            const uint8_t* u[2] = {nullptr, nullptr};
+            const float* ds[2] = {nullptr, nullptr};
+            const float* ms[2] = {nullptr, nullptr};
+            for (int c = 0; c < n; ++c) {
+                const uint8_t* cs = codes + (s0 + c) * code_stride;
+                ds[c] = d + (s0 + c) * scale_stride;
+                if constexpr (Q8) {
+                    u[c] = cs;
+                } else {
+                    ms[c] = m + (s0 + c) * scale_stride;
+                    uint8_t* out = unpacked + (size_t)c * nb * 512;
+                    for (int b = 0; b < nb; ++b) {
+                        __m512i w[8];
+                        load_codes<false>(cs + (size_t)b * 256, w);
+                        for (int j = 0; j < 8; ++j) _mm512_store_si512(out + (size_t)b * 512 + 64 * j, w[j]);
                     }
+                    u[c] = out;
                 }
-                float* ys = y + s0 * COLS;
-                if (n == 2)
-                    wide_rows_of<2, Q8>(x, c0, c1, u, ds, ms, ys, ldy);
-                else
-                    wide_rows_of<1, Q8>(x, c0, c1, u, ds, ms, ys, ldy);
             }
+            float* ys = y + s0 * COLS;
+            if (n == 2)
+                wide_rows_of<2, Q8>(x, c0, c1, u, ds, ms, ys, ldy);
+            else
+                wide_rows_of<1, Q8>(x, c0, c1, u, ds, ms, ys, ldy);
         }
     }
 }
