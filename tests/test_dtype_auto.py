@@ -132,6 +132,10 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
     assert torch.equal(layer(xb), int8_tiles.linear(xb.float(), layer.int8_tiles, ops.INT8))
     assert not layer.rounds_input_to_bf16(100) and layers[False].rounds_input_to_bf16(100)
     assert torch.equal(layer(x[:5]), int8_tiles.linear(x[:5], layer.int8_tiles, ops.INT8_FINE))
+    # as an MLP's down projection: the activation inside the rounding, the bits of ops.silu_mul then the product
+    gate_up = torch.randn(100, 192) * 3
+    assert torch.equal(layer.silu_mul_forward(gate_up), layer(ops.silu_mul(gate_up)))
+    assert layer.silu_mul_forward(gate_up[:5]) is None and layers[False].silu_mul_forward(gate_up) is None
     # a tensor-parallel cut the tile orders cannot take (24 columns) gets its bf16 copy back for those rows
     layer.shard(rows=torch.arange(8, 32))
     assert layer.int8_tiles is None and layer.weight_bf16 is not None and layer.rounds_input_to_bf16(100)

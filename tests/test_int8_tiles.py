@@ -106,6 +106,22 @@ def test_many_rows_give_the_same_bits_as_few_row_calls(kind, shape):
     assert torch.equal(int8_tiles.linear(x[3:300], t, 1, "vnni"), few[3:300])  # strided start, a chunk and a bit
 
 
+@needs_path
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_silu_mul_inside_the_rounding_gives_the_bits_of_silu_mul_then_the_product(kind, planes):
+    """silu_mul=True takes an MLP's gate/up output and computes silu(gate) * up as ops.silu_mul does while x is
+    rounded: the same bits as the two passes, few rows or many."""
+    torch.manual_seed(9)
+    t = int8_tiles.pack(RANDOM[kind](48, 576, seed=6))
+    for rows in (3, 48, 301):
+        gate_up = torch.randn(rows, 1152) * 4
+        fused = int8_tiles.linear(gate_up, t, planes, silu_mul=True)
+        assert torch.equal(fused, int8_tiles.linear(ops.silu_mul(gate_up), t, planes)), rows
+    with pytest.raises(ValueError, match="gate and up"):
+        int8_tiles.linear(torch.randn(4, 576), t, 1, silu_mul=True)
+
+
 @needs_tiles
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_tiles_and_vnni_give_the_same_bits(kind):

@@ -71,6 +71,8 @@ SIGNATURES = {
                                      _i32),
     # kind, planes, method, x, ldx, M, K, tile-order codes, d, m, N, y, ldy, threads (quant_linear_int8_tiles.cpp)
     "pagellm_int8_tiles_linear": ([_i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32], _i32),
+    "pagellm_int8_tiles_linear_silu_mul": ([_i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _p, _p, _i32, _p, _i64, _i32],
+                                           _i32),
     "pagellm_int8_tiles_amx_ready": ([], _i32),
     "pagellm_write_kv": ([_p, _i64, _p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _p, _i32, _i32], _i32),
     "pagellm_paged_attention": ([_p, _i64, _i32, _i32, _i32, _p, _i64, _i32, _i32, _p, _i64, _p, _p, _i32, _f32,

@@ -62,19 +62,24 @@ def pack(w: PackedWeight) -> Int8Tiles:
     return Int8Tiles(w.kind, tiles.contiguous(), per_strip(w.d), per_strip(w.m), n, k)
 
 
-def linear(x: torch.Tensor, w: Int8Tiles, planes: int, method: str = "auto") -> torch.Tensor:
+def linear(x: torch.Tensor, w: Int8Tiles, planes: int, method: str = "auto", silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] float32 (rows may be strided) @ W^T -> float32 [M, N], x rounded to int8 per 32 values (planes 1;
     2: plus its rounding error as a second plane). method: auto (VNNI for few rows, else the tiles where ready),
-    vnni, or tiles; every method gives the same bits."""
+    vnni, or tiles; every method gives the same bits. silu_mul: x is an MLP's gate/up output [M, 2K] and the
+    product is that of ops.silu_mul(x), bit for bit, without the [M, K] pass between."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    if k != w.in_features:
-        raise ValueError(f"int8_tiles.linear: x has {k} columns, the weight {w.in_features}")
+    if silu_mul:
+        k //= 2
+    if k != w.in_features or (silu_mul and x.shape[1] != 2 * k):
+        raise ValueError(f"int8_tiles.linear: x has {x.shape[1]} columns, the weight {w.in_features}"
+                         + (" (x2: gate and up)" if silu_mul else ""))
     y = torch.empty(m, w.out_features, dtype=torch.float32)
     if m == 0:
         return y
-    rc = library().pagellm_int8_tiles_linear(
+    fn = library().pagellm_int8_tiles_linear_silu_mul if silu_mul else library().pagellm_int8_tiles_linear
+    rc = fn(
         KINDS[w.kind], planes, METHODS[method], x.data_ptr(), x.stride(0), m, k, w.codes.data_ptr(), w.d.data_ptr(),
         None if w.m is None else w.m.data_ptr(), w.out_features, y.data_ptr(), y.stride(0), torch.get_num_threads())
     if rc:

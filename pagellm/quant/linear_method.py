@@ -139,6 +139,11 @@ class LinearMethod:
     def int8_activations(self) -> int:
         return 0
 
+    def silu_mul_apply(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """This layer's product of silu(gate) * up straight from the gate/up output, where a kernel fuses the
+        two (else None: the caller runs the activation, then the product)."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     name = "unquantized"
@@ -246,6 +251,13 @@ class GGUFBlocksLinearMethod(LinearMethod):
                 y = xp @ packed.dequantize(natural_order=False).t()
         else:
             return self.gemm(x, layer.weight_t, layer.bias)
+        return y if layer.bias is None else y.add_(layer.bias)
+
+    def silu_mul_apply(self, layer, gate_up):
+        # one-plane int8 rows: the activation computed while x is rounded (the bits of ops.silu_mul, then apply)
+        if gate_up.dtype != torch.float32 or not self.choices.native_ops or not self.int8_rows(layer, gate_up.shape[0]):
+            return None
+        y = int8_tiles.linear(gate_up, layer.int8_tiles, ops.INT8, silu_mul=True)
         return y if layer.bias is None else y.add_(layer.bias)
 
     @staticmethod

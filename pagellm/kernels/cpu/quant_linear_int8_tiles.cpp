@@ -178,8 +178,8 @@ void amx_strip(const Rows& x, const uint8_t* codes, const float* d, const float*
 
 template <int Planes, bool Q8>
 int run(const float* xf, int64_t ldx, int M, int K, const uint8_t* codes, const float* d, const float* m, int N,
-        float* y, int64_t ldy, int nthreads, bool tiles) {
-    const Rows x = prepare(xf, ldx, M, K, Planes, tiles ? 16 : 1, nthreads);
+        float* y, int64_t ldy, int nthreads, bool tiles, bool silu_mul) {
+    const Rows x = prepare(xf, ldx, M, K, Planes, tiles ? 16 : 1, nthreads, silu_mul);
     if (Planes == 1 && !tiles && M >= WIDE_MIN_ROWS) {
         wide_rows(Q8, x, codes, d, m, N, y, ldy, nthreads);
         return 0;
@@ -227,13 +227,9 @@ extern "C" int pagellm_int8_tiles_amx_ready() {
 #endif
 }
 
-// y[M, N] = x[M, K] @ W^T over q4_1 (kind 0) or q8_0 (kind 1: m NULL) blocks in the layout above, x rounded
-// to int8 per 32 values (planes 1 or 2). method 0: VNNI up to VNNI_MAX_ROWS rows, else tiles where ready;
-// 1: VNNI; 2: tiles. The same bits whichever runs. N % 16 == 0, K % 32 == 0. Returns 0, or -1 where the
-// build lacks the path (or the tiles, for method 2) or an argument is out of range.
-extern "C" int pagellm_int8_tiles_linear(int kind, int planes, int method, const float* x, int64_t ldx, int M, int K,
-                                         const uint8_t* codes, const float* d, const float* m, int N, float* y,
-                                         int64_t ldy, int nthreads) {
+namespace {
+int tiles_linear(int kind, int planes, int method, const float* x, int64_t ldx, int M, int K, const uint8_t* codes,
+                 const float* d, const float* m, int N, float* y, int64_t ldy, int nthreads, bool silu_mul) {
 #ifdef PAGELLM_VNNI512
     if (N % COLS || K % BLOCK || M < 1 || kind < 0 || kind > 1 || planes < 1 || planes > 2 || method < 0 ||
         method > 2 || (kind == 0 && m == nullptr))
@@ -242,13 +238,32 @@ extern "C" int pagellm_int8_tiles_linear(int kind, int planes, int method, const
     if (method == 2 && !ready) return -1;
     const bool tiles = method == 2 || (method == 0 && ready && M > VNNI_MAX_ROWS);
     if (kind == 1)
-        return planes == 2 ? run<2, true>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles)
-                           : run<1, true>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles);
-    return planes == 2 ? run<2, false>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles)
-                       : run<1, false>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles);
+        return planes == 2 ? run<2, true>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles, silu_mul)
+                           : run<1, true>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles, silu_mul);
+    return planes == 2 ? run<2, false>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles, silu_mul)
+                       : run<1, false>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles, silu_mul);
 #else
     (void)kind, (void)planes, (void)method, (void)x, (void)ldx, (void)M, (void)K, (void)codes, (void)d, (void)m;
-    (void)N, (void)y, (void)ldy, (void)nthreads;
+    (void)N, (void)y, (void)ldy, (void)nthreads, (void)silu_mul;
     return -1;
 #endif
+}
+}  // namespace
+
+// y[M, N] = x[M, K] @ W^T over q4_1 (kind 0) or q8_0 (kind 1: m NULL) blocks in the layout above, x rounded
+// to int8 per 32 values (planes 1 or 2). method 0: VNNI up to VNNI_MAX_ROWS rows, else tiles where ready;
+// 1: VNNI; 2: tiles. The same bits whichever runs. N % 16 == 0, K % 32 == 0. Returns 0, or -1 where the
+// build lacks the path (or the tiles, for method 2) or an argument is out of range.
+extern "C" int pagellm_int8_tiles_linear(int kind, int planes, int method, const float* x, int64_t ldx, int M, int K,
+                                         const uint8_t* codes, const float* d, const float* m, int N, float* y,
+                                         int64_t ldy, int nthreads) {
+    return tiles_linear(kind, planes, method, x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, false);
+}
+
+// The same with x = silu(gate) * up of the MLP's gate/up output [M, 2K] (row stride ldx), computed as
+// pagellm_silu_mul does while x is rounded: the bits of pagellm_int8_tiles_linear on pagellm_silu_mul's output.
+extern "C" int pagellm_int8_tiles_linear_silu_mul(int kind, int planes, int method, const float* gate_up,
+                                                  int64_t ldx, int M, int K, const uint8_t* codes, const float* d,
+                                                  const float* m, int N, float* y, int64_t ldy, int nthreads) {
+    return tiles_linear(kind, planes, method, gate_up, ldx, M, K, codes, d, m, N, y, ldy, nthreads, true);
 }

@@ -48,6 +48,14 @@ class Linear(nn.Module):
             y = y.float()  # --dtype auto: the ranks sum float32 parts, not a bf16 product's output
         return self.reduce(y)
 
+    def silu_mul_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """This layer applied to silu(gate) * up of an MLP's gate/up output, where its method fuses the two
+        (None otherwise: the caller runs the activation and then the layer)."""
+        y = self.quant_method.silu_mul_apply(self, gate_up)
+        if y is None or self.reduce is None:
+            return y
+        return self.reduce(y)
+
     def shard(self, rows: torch.Tensor | None = None, columns: tuple[int, int] | None = None, rank: int = 0,
               reduce=None) -> None:
         """Keep output `rows` (column-parallel), or input `columns` start:end (row-parallel: the ranks'

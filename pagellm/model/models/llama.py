@@ -61,7 +61,9 @@ class MLP(nn.Module):
         self.down_proj.bf16_out = True  # to the next norm, as o_proj's
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        y = self.down_proj.silu_mul_forward(gate_up)  # the activation inside the product, where a kernel fuses it
+        return self.down_proj(self.act(gate_up)) if y is None else y
 
 
 class DecoderLayer(nn.Module):
