@@ -104,14 +104,15 @@ def test_platform_chooses_one_plane_int8_prefill_only_past_vdpbf16ps_under_auto(
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @torch.no_grad()
 def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
-    """With OpChoices.int8_many_rows a layer keeps no bf16 copy; a product past the few-row and vdpbf16ps rows is
-    one-plane int8_tiles.linear (bf16 x widened), returns float32, and its norm is not asked for bf16 rows; few
-    rows stay two-plane."""
+    """With OpChoices.int8_many_rows a layer keeps no bf16 copy; in a forward of prompt chunks (prompt_step) a
+    product of any row count is one-plane int8_tiles.linear (bf16 x widened), returns float32, and its norm is
+    not asked for bf16 rows; elsewhere (decode rows) few rows stay two-plane and more take vdpbf16ps."""
     from dataclasses import replace
 
     from test_amx import random_q4_1, random_q8_0
 
-    from pagellm.kernels import int8_tiles, ops
+    from pagellm.kernels import amx, int8_tiles, ops
+    from pagellm.quant.linear_method import prompt_step
 
     w = (random_q4_1 if kind == "q4_1" else random_q8_0)(64, 96)
     choices = OpChoices(native_ops=True, packed_kernels=True, int8_activations=ops.INT8_FINE, bf16_gemm=True,
@@ -126,21 +127,27 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
     layer = layers[True]
     assert layer.weight_bf16 is None and layer.int8_tiles is not None and layers[False].weight_bf16 is not None
     x = torch.randn(100, 96)
-    y = layer(x)
-    assert y.dtype == torch.float32 and torch.equal(y, int8_tiles.linear(x, layer.int8_tiles, ops.INT8))
-    xb = x.bfloat16()
-    assert torch.equal(layer(xb), int8_tiles.linear(xb.float(), layer.int8_tiles, ops.INT8))
-    assert not layer.rounds_input_to_bf16(100) and layers[False].rounds_input_to_bf16(100)
-    assert torch.equal(layer(x[:5]), int8_tiles.linear(x[:5], layer.int8_tiles, ops.INT8_FINE))
-    # as an MLP's down projection: the activation inside the rounding, the bits of ops.silu_mul then the product
     gate_up = torch.randn(100, 192) * 3
-    assert torch.equal(layer.silu_mul_forward(gate_up), layer(ops.silu_mul(gate_up)))
-    assert layer.silu_mul_forward(gate_up[:5]) is None and layers[False].silu_mul_forward(gate_up) is None
+    with prompt_step(True):
+        for rows in (100, 5):
+            y = layer(x[:rows])
+            assert y.dtype == torch.float32 and torch.equal(y, int8_tiles.linear(x[:rows], layer.int8_tiles, ops.INT8))
+        xb = x.bfloat16()
+        assert torch.equal(layer(xb), int8_tiles.linear(xb.float(), layer.int8_tiles, ops.INT8))
+        assert not layer.rounds_input_to_bf16(100) and layers[False].rounds_input_to_bf16(100)
+        # as an MLP's down projection: the activation inside the rounding, the bits of ops.silu_mul then the product
+        assert torch.equal(layer.silu_mul_forward(gate_up), layer(ops.silu_mul(gate_up)))
+        assert layers[False].silu_mul_forward(gate_up) is None
+    assert torch.equal(layer(x[:5]), int8_tiles.linear(x[:5], layer.int8_tiles, ops.INT8_FINE))
+    assert layer.silu_mul_forward(gate_up) is None and layer.rounds_input_to_bf16(100)
+    if amx.bf16dp_ready():  # decode rows past the few-row kernels: vdpbf16ps at any count, no bf16 copy needed
+        assert torch.equal(layer(x), amx.linear(x, layer.amx_blocks, torch.float32, tiles=False))
     # a tensor-parallel cut the tile orders cannot take (24 columns) gets its bf16 copy back for those rows
     layer.shard(rows=torch.arange(8, 32))
     assert layer.int8_tiles is None and layer.weight_bf16 is not None and layer.rounds_input_to_bf16(100)
     ref = x @ w.dequantize()[8:32].t()
-    assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
+    with prompt_step(True):
+        assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
 @pytest.mark.skipif(not get_platform("cpu").fine_int8_activations, reason="no AVX-512 VNNI int8 path in this build")

@@ -326,6 +326,33 @@ def test_smollm2_greedy_identity_with_both_proposers(smollm_gguf_path, tmp_path)
         assert llm.engine.scheduler.stats.num_draft_tokens > 0
 
 
+@pytest.mark.slow
+def test_speculation_is_lossless_where_prompt_chunks_share_steps_with_decode_rows(smollm_gguf_path):
+    """Where prompt rows run on one-plane int8 (OpChoices.int8_many_rows) and decode rows on the decode paths, a
+    step mixing both forwards its decode rows apart (ModelRunner._decode_apart), on the many-row decode path
+    whatever their count, so which prompt chunks share a token's step, which differs between plain and
+    speculative runs, never changes it (with the decode rows in the prompt forward, 3 of 16 sequences parted in a
+    probe's run of this kind). 16 prompts of 300-700 tokens of English text, all at once."""
+    from pathlib import Path
+
+    import pagellm.quant
+    from pagellm.platforms import get_platform
+
+    if not get_platform("cpu").op_choices(torch.float32, auto=True).int8_many_rows:
+        pytest.skip("prompt rows are not one-plane int8 here (AVX-512 BF16 and VNNI without AMX)")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    opts = dict(dtype="auto", enable_prefix_caching=False, kv_cache_memory="512MiB")
+    plain = LLM(**opts)
+    text = (Path(pagellm.quant.__file__).parent / "calibration.txt").read_text()
+    ids, rnd = plain.get_tokenizer().encode(text), random.Random(3)
+    lengths = [rnd.randrange(300, 700) for _ in range(16)]
+    prompts = [{"prompt_token_ids": ids[s:s + n]} for n in lengths for s in [rnd.randrange(0, len(ids) - n)]]
+    base = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(**opts, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == base
+    assert spec.engine.scheduler.stats.num_accepted_tokens > 0
+
+
 def test_dtype_auto_speculation_is_lossless_at_small_batches(smollm_gguf_path):
     """Under --dtype auto on a bf16 CPU a plain step of 4 rows runs the few-row float32 kernels and a step of
     more rows the bf16 GEMMs: a verification step (4 requests x 5 rows) must compute as the plain step would
@@ -344,11 +371,12 @@ def test_dtype_auto_speculation_is_lossless_at_small_batches(smollm_gguf_path):
         with drafts_in_step(16):  # 4 requests, 4 drafts each
             assert not proj.bf16_rows(20)
             assert proj.bf16_rows(16 + limit + 1)  # limit + 1 requests' rows: the plain step would be bf16 too
-        if method.choices.int8_many_rows:  # prefill's one-plane int8, past the vdpbf16ps rows: drafts do not count
-            past = method.choices.amx_max_rows + 1
-            assert method.int8_rows(proj, past) and not method.int8_rows(proj, past - 1)
-            with drafts_in_step(16):
-                assert not method.int8_rows(proj, past + 15) and proj.bf16_rows(past + 15)
+        if method.choices.int8_many_rows:  # prompt rows on one-plane int8 (prompt_step); decode rows never
+            from pagellm.quant.linear_method import prompt_step
+
+            assert not method.int8_rows(proj, 1000) and proj.bf16_rows(1000)
+            with prompt_step(True):
+                assert method.int8_rows(proj, 5) and method.int8_rows(proj, 1000)
     msgs = [{"role": "user", "content": GROUNDED_PROMPT}]
     params = SamplingParams(temperature=0, max_tokens=200)
     base = [o.outputs[0].token_ids for o in plain.chat([msgs] * 4, params, use_tqdm=False)]

@@ -22,7 +22,7 @@ from pagellm.model.kv_swap import HostSwap, PinnedSwap
 from pagellm.model.layers.linear import Linear
 from pagellm.platforms.base import to_device
 from pagellm.quant.kv_cache import kv_row_width
-from pagellm.quant.linear_method import drafts_in_step, path_rows, step_rows
+from pagellm.quant.linear_method import drafts_in_step, in_prompt_step, path_rows, prompt_step, step_rows
 from pagellm.sample.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
 
 # Prompt positions whose logits are materialized at once: 128 x 49,152 float32 logits is 24 MiB.
@@ -140,44 +140,80 @@ class ModelRunner:
             return StepResult() if last else None
         parts: list[StepResult] = []
         sends = []
-        for first, rows in self._micro_batches(msg.rows):
+        groups = self._micro_batches(msg.rows, msg.want)
+        for index, rows in groups:
             input_ids, positions, meta = self._prepare(rows)
             sampled = _sampled_rows(rows, meta)
             keep = sampled if _prunes(msg.want, rows, sampled, input_ids.shape[0]) else None
-            with drafts_in_step(sum(len(r.spec_token_ids) for r in rows)):  # drafts never pick a path
-                # nor does pruning: the last layer's products take the step's path for the kept rows
-                with step_rows(None if keep is None else input_ids.shape[0]):
+            drafts = sum(len(r.spec_token_ids) for r in rows)
+            forced = None
+            if len(groups) == 2 and self.pipeline is None and index is groups[0][0]:
+                # the decode rows of a step with prompt chunks (_decode_apart), their logits too: on the many-row
+                # decode path (vdpbf16ps) whatever their count, as such steps computed them in bf16 before prompts
+                # took int8, so that speculation's different mix of steps does not move them
+                forced = max(input_ids.shape[0], (self._choices.packed_max_rows or 0) + 1 + drafts)
+            # nor does pruning: the last layer's products take the step's path for the kept rows
+            counted = forced or (None if keep is None else input_ids.shape[0])
+            with drafts_in_step(drafts):  # drafts never pick a path
+                with step_rows(counted), prompt_step(any(self._prompt_chunk(r) for r in rows)):
                     hidden = self._forward(input_ids, positions, meta, sends, keep)
                 if last:
-                    parts.append(self._outputs(msg.want, rows, first, hidden, meta, sampled, keep is not None))
+                    with step_rows(forced):
+                        parts.append(self._outputs(msg.want, rows, index, hidden, meta, sampled, keep is not None))
         for work in sends:  # the next stage has received them before this step returns
             work.wait()
         return _merge(parts) if last else None
 
-    def _micro_batches(self, rows: list[ScheduledRows]) -> list[tuple[int, list[ScheduledRows]]]:
-        """(index of the first row, rows): the whole step, or under pipeline parallelism up to
+    def _micro_batches(self, rows: list[ScheduledRows], want: str = "logits") -> list[tuple[list[int],
+                                                                                         list[ScheduledRows]]]:
+        """(the rows' indices in the step, rows): the whole step, or under pipeline parallelism up to
         `pipeline.micro_batches` groups of whole sequences with about equal tokens, so that stage s works on
-        group g + 1 while stage s + 1 works on group g."""
+        group g + 1 while stage s + 1 works on group g; or the decode rows apart (_decode_apart)."""
         n = 1 if self.pipeline is None else min(self.pipeline.micro_batches, len(rows))
         if n <= 1:
-            return [(0, rows)]
+            apart = self._decode_apart(rows, want)
+            return apart or [(list(range(len(rows))), rows)]
         total, groups, start, acc = sum(r.num_new_tokens for r in rows), [], 0, 0
         for i, r in enumerate(rows):
             acc += r.num_new_tokens
             # close a group once it holds its share, leaving at least one sequence for each group after it
             left = n - 1 - len(groups)  # groups still to open after this one
             if left > 0 and acc * n >= total * (len(groups) + 1) and len(rows) - i - 1 >= left:
-                groups.append((start, rows[start:i + 1]))
+                groups.append((list(range(start, i + 1)), rows[start:i + 1]))
                 start = i + 1
-        groups.append((start, rows[start:]))
+        groups.append((list(range(start, len(rows))), rows[start:]))
         return [g for g in groups if g[1]]
+
+    def _decode_apart(self, rows: list[ScheduledRows], want: str) -> list[tuple[list[int], list[ScheduledRows]]]:
+        """Where prompt rows run on one-plane int8 (OpChoices.int8_many_rows; linear_method.prompt_step), a step
+        that mixes prompt chunks with decode rows (one known token, and any drafts) forwards the decode rows
+        first, on their own: they take the path a step of only them takes (two-plane int8 or vdpbf16ps), not
+        int8, whose rounding would make a token depend on which prompts shared its step; speculative decoding
+        stays lossless. Empty where nothing is split (only sampled logits are merged)."""
+        if not self._choices.int8_many_rows or want != "logits":
+            return []
+        chunks = [i for i, r in enumerate(rows) if self._prompt_chunk(r)]
+        if not chunks or len(chunks) == len(rows):
+            return []
+        decode = [i for i in range(len(rows)) if i not in set(chunks)]
+        return [(decode, [rows[i] for i in decode]), (chunks, [rows[i] for i in chunks])]
+
+    def _prompt_chunk(self, r: ScheduledRows) -> bool:
+        """Whether these rows are positions of a prompt longer than a few-row step (or of a recomputed sequence),
+        not one decode token and drafts: where the platform chose it, such prompts take one-plane int8 in every
+        chunk, so their rows' arithmetic does not depend on how they were chunked; shorter ones keep the few-row
+        path (two-plane int8), as decode rows."""
+        prompt = self.batch.seqs[r.seq_id].num_prompt_tokens
+        return prompt > (self._choices.packed_max_rows or 0) and (
+            r.num_new_tokens - len(r.spec_token_ids) > 1 or r.num_computed_tokens < prompt)
 
     def _forward(self, input_ids, positions, meta, sends, keep: list[int] | None) -> torch.Tensor | None:
         """The final hidden states of every row, or where `keep` is given of those rows only."""
         compiled, pipe = self.compiled_decoder, self.pipeline
         rows = None if keep is None else to_device(keep, self.device, torch.int64)
-        if compiled is not None and compiled.serves(path_rows(input_ids.shape[0], self._choices),
-                                                    meta.query_start_loc):
+        # (prompt rows on one-plane int8 take the module path: the decoder has no such step)
+        if compiled is not None and not (in_prompt_step() and self._choices.int8_many_rows) and \
+                compiled.serves(path_rows(input_ids.shape[0], self._choices), meta.query_start_loc):
             # every row through the last layer (the kept ones get the same bits as the pruned module path's)
             hidden = compiled.forward(input_ids, positions, self.kv_caches, meta)
             return hidden if rows is None else hidden.index_select(0, rows)
@@ -198,10 +234,11 @@ class ModelRunner:
     def _dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
 
-    def _outputs(self, want: str, rows: list[ScheduledRows], first: int, hidden: torch.Tensor,
+    def _outputs(self, want: str, rows: list[ScheduledRows], index: list[int], hidden: torch.Tensor,
                  meta: AttentionMetadata, sampled: list[int], pruned: bool) -> StepResult:
-        """sampled: the rows whose logits are sampled (_sampled_rows); pruned: hidden holds only those."""
-        sample_rows = [first + i for i, row in enumerate(rows) if row.samples]
+        """index: the rows' indices in the step; sampled: the rows whose logits are sampled (_sampled_rows);
+        pruned: hidden holds only those."""
+        sample_rows = [index[i] for i, row in enumerate(rows) if row.samples]
         if pruned:
             return StepResult(sample_rows=sample_rows, logits=self.model.compute_logits(hidden) if sampled else None)
         if want == "hidden":
@@ -211,13 +248,13 @@ class ModelRunner:
         result = StepResult()
         if any(r.prompt_logprobs is not None for r in rows):
             with drafts_in_step(0):  # prompt rows: no drafts among them
-                result.prompt_logprobs = self._prompt_logprobs(rows, first, hidden, meta)
+                result.prompt_logprobs = self._prompt_logprobs(rows, index, hidden, meta)
         result.sample_rows = sample_rows
         if sampled:
             result.logits = self.model.compute_logits(hidden.index_select(0, to_device(sampled, self.device)))
         return result
 
-    def _prompt_logprobs(self, rows: list[ScheduledRows], first_row: int, hidden: torch.Tensor,
+    def _prompt_logprobs(self, rows: list[ScheduledRows], index_in_step: list[int], hidden: torch.Tensor,
                          meta: AttentionMetadata) -> dict[int, list[PromptLogprobRow]]:
         """Logits of this chunk's prompt positions, in the same forward as the prefill. Position p scores
         prompt token p + 1; the last prompt position scores the first output token (the sampler's row).
@@ -249,7 +286,7 @@ class ModelRunner:
             results.extend(prompt_logprob_rows(logits, next_ids[sl], k))
         out, pos = {}, 0
         for i, first, end, n in wanted:
-            out[first_row + i] = [r if n == k else r._replace(top_ids=r.top_ids[:n], top_logprobs=r.top_logprobs[:n])
+            out[index_in_step[i]] = [r if n == k else r._replace(top_ids=r.top_ids[:n], top_logprobs=r.top_logprobs[:n])
                                   for r in results[pos:pos + end - first]]
             pos += end - first
         return out

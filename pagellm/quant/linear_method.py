@@ -24,6 +24,7 @@ from pagellm.quant.formats import PACKED_MAX_ROWS, PackedWeight
 class _Step:
     drafts = 0  # speculative draft rows in the forward (and its sampled logits) now running
     rows: int | None = None  # the forward's rows, where its products count them instead of their own (step_rows)
+    prompt = False  # the forward runs prompt chunks (prompt_step)
 
 
 @contextlib.contextmanager
@@ -46,6 +47,23 @@ def step_rows(rows: int | None) -> Iterator[None]:
         yield
     finally:
         _Step.rows = old
+
+
+@contextlib.contextmanager
+def prompt_step(prompt: bool) -> Iterator[None]:
+    """Set by the model runner around a forward of prompt chunks (or of a step that has any): where the platform
+    chose one-plane int8 for them (OpChoices.int8_many_rows) their products take it at any row count, and the
+    decode rows of other forwards never do, so a row's arithmetic depends on its kind, not on how its prompt was
+    chunked or which rows shared its step (speculative decoding stays lossless)."""
+    old, _Step.prompt = _Step.prompt, prompt
+    try:
+        yield
+    finally:
+        _Step.prompt = old
+
+
+def in_prompt_step() -> bool:
+    return _Step.prompt
 
 
 def path_rows(rows: int, choices: OpChoices) -> int:
@@ -193,18 +211,23 @@ class GGUFBlocksLinearMethod(LinearMethod):
         layer.int8_tiles = int8_tiles.pack(layer.packed) if use else None
 
     def amx_rows(self, layer, rows: int) -> bool:
-        """Whether a many-row product of this many rows runs on AMX tiles over the blocks."""
-        return layer.amx_blocks is not None and path_rows(rows, self.choices) <= self.choices.amx_max_rows
+        """Whether a many-row product of this many rows runs on AMX tiles (or vdpbf16ps) over the blocks: up to
+        amx_max_rows, or at any count for the decode rows of a layer whose prompt rows take int8 (int8_many:
+        it keeps no bf16 copy)."""
+        if layer.amx_blocks is None:
+            return False
+        if self.int8_many(layer):
+            return not _Step.prompt
+        return path_rows(rows, self.choices) <= self.choices.amx_max_rows
 
     def int8_many(self, layer) -> bool:
-        """Whether this layer's many-row products run on one-plane int8 over its int8 tile-order blocks: those past
-        the vdpbf16ps rows, so only where the layer has those (amx_blocks: N % 32 == 0) to take the rows below."""
+        """Whether this layer's prompt rows run on one-plane int8 over its int8 tile-order blocks (and its decode
+        rows past the few-row kernels on vdpbf16ps, amx_blocks: N % 32 == 0)."""
         return self.choices.int8_many_rows and layer.int8_tiles is not None and layer.amx_blocks is not None
 
     def int8_rows(self, layer, rows: int) -> bool:
-        """Whether a product of this many rows runs there: one that neither the few-row nor the AMX / vdpbf16ps
-        kernels take (prefill)."""
-        return self.int8_many(layer) and not self.few_rows(layer, rows) and not self.amx_rows(layer, rows)
+        """Whether a product runs there: in a forward of prompt chunks (prompt_step), at any row count."""
+        return _Step.prompt and self.int8_many(layer)
 
     def reads_blocks(self, packed: PackedWeight) -> bool:
         return self.choices.packed_kernels and ops.kernel_reads(packed)
@@ -217,6 +240,8 @@ class GGUFBlocksLinearMethod(LinearMethod):
         count where the platform chose int8 tile-order products for every row and the layer has them)."""
         if self.choices.int8_all_rows and layer.int8_tiles is not None:
             return True
+        if self.int8_rows(layer, rows):
+            return False
         return path_rows(rows, self.choices) <= self.max_rows and self.reads_blocks(layer.packed)
 
     def bf16_rows(self, layer, rows: int) -> bool:
