@@ -24,10 +24,10 @@ from pagellm.platforms.base import OpChoices
 # KV cache: median 0.003-0.008, p90 0.011-0.031, max 0.043-0.122, 3-6 of 27 parted at margins <= 0.048; with the
 # int8 KV cache that auto chooses there now: median 0.011-0.014, p90 0.046-0.056, max 0.111-0.152, 10-11 of 27
 # parted at margins 0.007-0.22 (nineteenth session; 4 at once / all at once).
-# One-plane int8 prefill (OpChoices.int8_many_rows: AVX-512 BF16 + VNNI without AMX), all 27 at once on the Zen 4
-# VM: median 0.020, p90 0.076, max 0.328 nats, 17 of 27 parted at margins 0.005-0.209; with
-# PAGELLM_CPU_INT8_PREFILL=0 (oneDNN bf16) median 0.014, p90 0.057, max 0.138, 12 of 27 at <= 0.127 (thirty-eighth
-# session, `benchmarks/dtype_auto_quality.py 256`).
+# One-plane int8 prompt rows (OpChoices.int8_many_rows: AVX-512 BF16 + VNNI without AMX), all 27 at once on the Zen 4
+# VM: median 0.019, p90 0.070, max 0.255 nats, 16 of 27 parted at margins 0.005-0.209 (4 at once: median 0.016, max
+# 0.276, 15 at <= 0.172); with PAGELLM_CPU_INT8_PREFILL=0 (oneDNN bf16) median 0.014, p90 0.057, max 0.138, 12 of 27
+# at <= 0.127 (thirty-eighth session, `benchmarks/dtype_auto_quality.py "auto, max_num_seqs"`).
 AUTO_LOGPROB_MEDIAN_TOL = 0.05  # nats
 AUTO_LOGPROB_TOL = 0.5  # nats, any single chosen token
 AUTO_WIDE_MARGIN = 0.3  # nats between float32's top-1 and top-2: such a top-1 must survive bf16 rounding
@@ -79,7 +79,7 @@ def test_platform_chooses_fine_int8_activations_only_for_auto_with_avx512_vnni()
 
 
 def test_platform_chooses_one_plane_int8_prefill_only_past_vdpbf16ps_under_auto(monkeypatch):
-    """Products past the vdpbf16ps rows (prefill) run on one-plane int8 where auto chose two-plane int8 for few rows
+    """Prompt rows run on one-plane int8 where auto chose two-plane int8 for few rows
     and vdpbf16ps for the rows above them (AVX-512 BF16 and VNNI, no AMX); not under an explicit dtype, an explicit
     --int8-activations / --no-int8-activations, or PAGELLM_CPU_INT8_PREFILL=0."""
     from pagellm.kernels import ops

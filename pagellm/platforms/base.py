@@ -41,10 +41,10 @@ class OpChoices:
     on vdpbf16ps over the same blocks (False: the same arithmetic, cpu/quant_linear_bf16dp.cpp);
     int8_all_rows: layers whose blocks are in int8 tile order take their two-plane int8 products at every row
     count, not only up to packed_max_rows (kernels/int8_tiles.py; where many-row products would be float32);
-    int8_many_rows: products of layers with int8 tile-order blocks that neither the few-row kernels nor the AMX /
-    vdpbf16ps ones take run on one-plane int8 activations (llama.cpp's per-32 rounding) instead of the bf16 copy,
-    which such layers then do not keep (prefill on AVX-512 BF16 + VNNI CPUs without AMX:
-    cpu/quant_linear_int8_wide.cpp)."""
+    int8_many_rows: in a forward of prompt chunks (quant.linear_method.prompt_step, set by the model runner for
+    prompts longer than packed_max_rows) layers with int8 tile-order blocks multiply on one-plane int8 activations
+    (llama.cpp's per-32 rounding; cpu/quant_linear_int8_wide.cpp) at any row count, and their decode rows past the
+    few-row kernels on vdpbf16ps at any count; such layers keep no bf16 copy (AVX-512 BF16 + VNNI without AMX)."""
 
     native_ops: bool = False
     packed_kernels: bool = False

@@ -67,9 +67,9 @@ AMX_INT8_PACKED_MAX_ROWS = 6
 # --vdpbf16ps, two runs): 1.26-1.54x at 16 rows, 1.18-1.51x at 32, 1.19-1.21x at 48, 1.11-1.16x at 64, 0.96-1.11x
 # at 128 (benchmarks/NOTES.md, twentieth session).
 BF16DP_MAX_ROWS = 64
-# Past them (prefill) q4_1/q8_0 products run on one-plane int8 over the int8 tile order (cpu/quant_linear_int8_wide.cpp,
-# 64 multiply-adds per vpdpbusd to vdpbf16ps's 32), not oneDNN's bf16: 1.2-1.3x at 2,048 rows on the Zen 4 VM
-# (NOTES, 38th session). PAGELLM_CPU_INT8_PREFILL=0 keeps oneDNN's bf16 products there.
+# Prompt rows (prompts longer than a few-row step) run their q4_1/q8_0 products on one-plane int8 over the int8 tile
+# order (cpu/quant_linear_int8_wide.cpp, 64 multiply-adds per vpdpbusd to vdpbf16ps's 32), not oneDNN's bf16: 1.2-1.36x
+# at 2,048 rows on the Zen 4 VM; decode rows never (NOTES, 38th session). PAGELLM_CPU_INT8_PREFILL=0: oneDNN's bf16.
 
 # Freed memory glibc keeps at the top of a heap before it gives it back by itself (see loading()).
 TRIM_THRESHOLD = 256 << 20
@@ -383,7 +383,7 @@ class CpuPlatform(Platform):
                 f" activations, bf16 GEMMs above {choices.packed_max_rows} rows" if choices.bf16_gemm else "") + (
                 "" if not choices.int8_activations else ", two-plane int8 activations in every product of q4_1/q8_0 "
                 "blocks" if choices.int8_all_rows else ", two-plane int8 activations in few-row products") + (
-                f", one-plane int8 in q4_1/q8_0 products above {choices.amx_max_rows} rows"
+                ", one-plane int8 for prompt rows in q4_1/q8_0 products"
                 if choices.int8_many_rows else ""),
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
@@ -394,7 +394,7 @@ class CpuPlatform(Platform):
                 f"; q4_1/q8_0 blocks dequantized into {'AMX bf16 tiles' if choices.amx_on_tiles else 'vdpbf16ps'}"
                 f" products up to {choices.amx_max_rows} rows"
                 if choices.amx_max_rows else "") + (
-                ", one-plane int8 over them past that (VNNI)" if choices.int8_many_rows else ""),
+                "; prompt rows on one-plane int8 over them (VNNI)" if choices.int8_many_rows else ""),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
             "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))],
             "kv_cache_dtype": f"auto -> {str(self.auto_kv_dtype(dtype)).removeprefix('torch.')} under --dtype auto",
