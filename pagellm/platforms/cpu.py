@@ -392,9 +392,9 @@ class CpuPlatform(Platform):
                                    if choices.bf16_gemm else "two-plane int8 over q4_1/q8_0 blocks (VNNI), float32 "
                                    "for other weights" if choices.int8_all_rows else "float32") + (
                 f"; q4_1/q8_0 blocks dequantized into {'AMX bf16 tiles' if choices.amx_on_tiles else 'vdpbf16ps'}"
-                f" products up to {choices.amx_max_rows} rows"
-                if choices.amx_max_rows else "") + (
-                "; prompt rows on one-plane int8 over them (VNNI)" if choices.int8_many_rows else ""),
+                + (" products of decode rows, at any count; prompt rows on one-plane int8 over them (VNNI)"
+                   if choices.int8_many_rows else f" products up to {choices.amx_max_rows} rows")
+                if choices.amx_max_rows else ""),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
             "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))],
             "kv_cache_dtype": f"auto -> {str(self.auto_kv_dtype(dtype)).removeprefix('torch.')} under --dtype auto",
