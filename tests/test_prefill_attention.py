@@ -222,7 +222,7 @@ def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch)
     assert p.describe()["prefill_attention"] == "torch SDPA"
 
 
-def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smollm_gguf_path):
+def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smollm_gguf_path, monkeypatch):
     """The auto engine with each bf16 prefill path ("sdpa": torch's SDPA on bf16 inputs, which runs on any CPU;
     "kernel" where the build has it) against float32 SDPA: the next token's logprobs after prompts of 19-351
     tokens (each one long prefill chunk) move by < FIRST_TOKEN_TOL nats (measured <= 0.03 on the Zen 5 VM for
@@ -230,6 +230,9 @@ def test_engine_uses_it_under_auto_only_and_stays_close_to_its_float32_sdpa(smol
     from pagellm import LLM, SamplingParams
 
     p = get_platform("cpu")
+    # the attention's own error: prompt products on bf16, not one-plane int8, whose rounding of each 32 values
+    # turns the attention's small differences into larger ones (0.17 nats on the Zen 4 VM)
+    monkeypatch.setenv("PAGELLM_CPU_INT8_PREFILL", "0")
     # prefix caching off: a later run would otherwise reuse the first run's KV and attend only its last block
     auto = LLM(smollm_gguf_path, dtype="auto", enable_prefix_caching=False)
     exact = LLM(smollm_gguf_path, dtype="float32")
