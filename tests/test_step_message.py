@@ -96,8 +96,8 @@ def test_pipeline_stages_and_micro_batches():
     runner.pipeline = type("Link", (), {"micro_batches": 2})()
     rows = [ScheduledRows(str(i), 0, k) for i, k in enumerate([30, 2, 2, 30])]
     groups = runner._micro_batches(rows)
-    assert [g[0] for g in groups] == [0, 2] and sum(len(g[1]) for g in groups) == 4
-    assert runner._micro_batches(rows[:1]) == [(0, rows[:1])]
+    assert [g[0] for g in groups] == [[0, 1], [2, 3]] and sum(len(g[1]) for g in groups) == 4
+    assert runner._micro_batches(rows[:1]) == [([0], rows[:1])]
 
 
 def test_a_sequence_preempted_between_two_messages_is_sent_whole_again():

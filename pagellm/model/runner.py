@@ -171,7 +171,7 @@ class ModelRunner:
         group g + 1 while stage s + 1 works on group g; or the decode rows apart (_decode_apart)."""
         n = 1 if self.pipeline is None else min(self.pipeline.micro_batches, len(rows))
         if n <= 1:
-            apart = self._decode_apart(rows, want)
+            apart = self._decode_apart(rows, want) if self.pipeline is None else []
             return apart or [(list(range(len(rows))), rows)]
         total, groups, start, acc = sum(r.num_new_tokens for r in rows), [], 0, 0
         for i, r in enumerate(rows):
