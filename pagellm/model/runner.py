@@ -141,13 +141,15 @@ class ModelRunner:
         parts: list[StepResult] = []
         sends = []
         groups = self._micro_batches(msg.rows, msg.want)
-        for index, rows in groups:
+        apart = self.pipeline is None and len(groups) == 2  # decode rows first, then prompt chunks (_decode_apart)
+        int8_prompts = self._choices.int8_many_rows
+        for g, (index, rows) in enumerate(groups):
             input_ids, positions, meta = self._prepare(rows)
             sampled = _sampled_rows(rows, meta)
             keep = sampled if _prunes(msg.want, rows, sampled, input_ids.shape[0]) else None
             drafts = sum(len(r.spec_token_ids) for r in rows)
             forced = None
-            if len(groups) == 2 and self.pipeline is None and index is groups[0][0]:
+            if apart and g == 0:
                 # the decode rows of a step with prompt chunks (_decode_apart), their logits too: on the many-row
                 # decode path (vdpbf16ps) whatever their count, as such steps computed them in bf16 before prompts
                 # took int8, so that speculation's different mix of steps does not move them
@@ -155,7 +157,8 @@ class ModelRunner:
             # nor does pruning: the last layer's products take the step's path for the kept rows
             counted = forced or (None if keep is None else input_ids.shape[0])
             with drafts_in_step(drafts):  # drafts never pick a path
-                with step_rows(counted), prompt_step(any(self._prompt_chunk(r) for r in rows)):
+                prompt = int8_prompts and (g == 1 if apart else any(self._prompt_chunk(r) for r in rows))
+                with step_rows(counted), prompt_step(prompt):
                     hidden = self._forward(input_ids, positions, meta, sends, keep)
                 if last:
                     with step_rows(forced):
@@ -195,7 +198,8 @@ class ModelRunner:
         chunks = [i for i, r in enumerate(rows) if self._prompt_chunk(r)]
         if not chunks or len(chunks) == len(rows):
             return []
-        decode = [i for i in range(len(rows)) if i not in set(chunks)]
+        taken = set(chunks)
+        decode = [i for i in range(len(rows)) if i not in taken]
         return [(decode, [rows[i] for i in decode]), (chunks, [rows[i] for i in chunks])]
 
     def _prompt_chunk(self, r: ScheduledRows) -> bool:
@@ -212,7 +216,7 @@ class ModelRunner:
         compiled, pipe = self.compiled_decoder, self.pipeline
         rows = None if keep is None else to_device(keep, self.device, torch.int64)
         # (prompt rows on one-plane int8 take the module path: the decoder has no such step)
-        if compiled is not None and not (in_prompt_step() and self._choices.int8_many_rows) and \
+        if compiled is not None and not in_prompt_step() and \
                 compiled.serves(path_rows(input_ids.shape[0], self._choices), meta.query_start_loc):
             # every row through the last layer (the kept ones get the same bits as the pruned module path's)
             hidden = compiled.forward(input_ids, positions, self.kv_caches, meta)
