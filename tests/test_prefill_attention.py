@@ -294,3 +294,33 @@ def test_verification_rows_attend_as_decode_rows_however_many_drafts(mode):
                                             64 ** -0.5) for i in range(nq)])
     assert torch.equal(attend([nq - 1]), decode)
     assert not torch.equal(attend(None), decode)
+
+
+@needs_kernel
+def test_a_prompts_rows_get_the_same_bits_however_it_is_chunked():
+    """Rows marked as a prompt's chunk (AttentionMetadata.query_prompt, set by the model runner) take the bf16
+    prompt kernel at any row count, so a prompt row's output does not depend on how the prompt was chunked, which
+    differs between plain and speculative runs (their decode rows share the token budget differently). Unmarked,
+    chunks of up to 16 rows take the decode kernel and part from the one-chunk rows."""
+    from pagellm.model.attention.base import AttentionMetadata
+    from pagellm.model.attention.cpu_paged import CpuPagedAttention
+
+    seq_len, bs = 48, 16
+    q, cache, table, _ = _paged(seq_len, seq_len, torch.float32)
+    cache = quantize_rows(cache, torch.int8)  # auto's KV cache here
+
+    def attend(start, end, marked):
+        positions = torch.arange(start, end)
+        slots = table[positions // bs] * bs + positions % bs
+        k, v = (dequantize_rows(cache[i]).reshape(-1, 3, 64)[slots] for i in (0, 1))  # rewriting keeps the rows
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=table[None], query_start_loc=[0, end - start],
+                                 seq_lens=[end], block_size=bs, row_seq=torch.zeros(end - start, dtype=torch.int64),
+                                 positions=positions, query_prompt=[True] if marked else None)
+        return CpuPagedAttention("kernel").forward(q[start:end], k, v, cache, meta, 64 ** -0.5)
+
+    whole = attend(0, seq_len, True)
+    for bounds in ((0, 10, 20, 30, 40, 48), (0, 17, 18, 47, 48)):
+        pieces = list(zip(bounds, bounds[1:], strict=False))
+        assert torch.equal(torch.cat([attend(a, b, True) for a, b in pieces]), whole)
+    pieces = zip((0, 10, 20, 30, 40), (10, 20, 30, 40, 48), strict=True)
+    assert not torch.equal(torch.cat([attend(a, b, False) for a, b in pieces]), whole)

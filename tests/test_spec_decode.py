@@ -327,12 +327,14 @@ def test_smollm2_greedy_identity_with_both_proposers(smollm_gguf_path, tmp_path)
 
 
 @pytest.mark.slow
-def test_speculation_is_lossless_where_prompt_chunks_share_steps_with_decode_rows(smollm_gguf_path):
+@pytest.mark.parametrize("batch", [8, 16])
+def test_speculation_is_lossless_where_prompt_chunks_share_steps_with_decode_rows(smollm_gguf_path, batch):
     """Where prompt rows run on one-plane int8 (OpChoices.int8_many_rows) and decode rows on the decode paths, a
-    step mixing both forwards its decode rows apart (ModelRunner._decode_apart), on the many-row decode path
-    whatever their count, so which prompt chunks share a token's step, which differs between plain and
-    speculative runs, never changes it (with the decode rows in the prompt forward, 3 of 16 sequences parted in a
-    probe's run of this kind). 16 prompts of 300-700 tokens of English text, all at once."""
+    step mixing both forwards its decode rows apart (ModelRunner._decode_apart), on the path their batch's size
+    picks (ModelRunner._batch_rows), so which prompt chunks share a token's step, and how many of the batch's
+    rows decode in it, which differ between plain and speculative runs, never change it (with the decode rows in
+    the prompt forward, 3 of 16 sequences parted in a probe's run of this kind; with them on the many-row path
+    whatever the batch, 2 of 8). `batch` prompts of 300-700 tokens of English text, all at once."""
     from pathlib import Path
 
     import pagellm.quant
@@ -345,7 +347,7 @@ def test_speculation_is_lossless_where_prompt_chunks_share_steps_with_decode_row
     plain = LLM(**opts)
     text = (Path(pagellm.quant.__file__).parent / "calibration.txt").read_text()
     ids, rnd = plain.get_tokenizer().encode(text), random.Random(3)
-    lengths = [rnd.randrange(300, 700) for _ in range(16)]
+    lengths = [rnd.randrange(300, 700) for _ in range(batch)]
     prompts = [{"prompt_token_ids": ids[s:s + n]} for n in lengths for s in [rnd.randrange(0, len(ids) - n)]]
     base = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     spec = LLM(**opts, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)

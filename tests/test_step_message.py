@@ -59,10 +59,20 @@ def test_workers_hold_what_the_scheduler_holds_after_every_step(engine_llm, leng
         return result
 
     engine.executor.execute = checked
+    build = engine.executor.builder.build
+    running = []
+
+    def counting(out, *args, **kwargs):  # the batch each step belongs to, for the runner's path choice
+        msg = build(out, *args, **kwargs)
+        running.append(msg.num_running == sum(r.num_seqs for r in engine.scheduler.running) == out.num_running)
+        return msg
+
+    engine.executor.builder.build = counting
     for _ in range(400):
         if not engine.has_unfinished_requests():
             break
         engine.step()
+    assert running and all(running)
     assert not engine.has_unfinished_requests()
     # every sequence the workers held is released once the requests are done (next message says so)
     engine.executor.run(engine.executor.builder.build(engine.scheduler.schedule()))

@@ -41,6 +41,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     block_copies: BlockCopies = field(default_factory=BlockCopies)
+    num_running: int = 0  # sequences running once this step was scheduled (the batch the step belongs to)
 
     @property
     def is_empty(self) -> bool:
@@ -212,6 +213,7 @@ class Scheduler:
         if not out.scheduled and self.waiting:
             self._set_aside_idle(out)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_running = sum(r.num_seqs for r in self.running)
         self.stats.num_batched_tokens += out.num_batched_tokens
         out.block_copies = self.kv_cache.take_copies()
         return out

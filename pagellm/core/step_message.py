@@ -60,6 +60,9 @@ class StepMessage:
     # what the step returns: "logits" (rows that sample, prompt logprobs), "hidden" (every row's final
     # hidden state: embeddings) or "all_logits" (every row's logits: scoring)
     want: str = "logits"
+    # sequences running when the step was scheduled (SchedulerOutput.num_running; 0: not known): a batch's size,
+    # which plain and speculative runs share where their steps' rows differ (ModelRunner._decode_rows_counted)
+    num_running: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -92,7 +95,7 @@ class StepMessageBuilder:
             self._forgotten.append(seq_id)
 
     def build(self, out: SchedulerOutput, want: str = "logits") -> StepMessage:
-        msg = StepMessage(block_copies=out.block_copies, want=want)
+        msg = StepMessage(block_copies=out.block_copies, want=want, num_running=out.num_running)
         msg.finished, self._forgotten = self._forgotten, []
         scheduled = {s.request.request_id for s in out.scheduled}
         # Sequences no longer running (finished, dropped beams, preempted: recompute or swap) leave the

@@ -119,7 +119,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=tensor(slots), block_tables=tensor(table), query_start_loc=starts, seq_lens=seq_lens,
             block_size=bs, sliding_window=self.sliding_window, row_seq=tensor(row_req), positions=pos,
-            query_drafts=drafts if any(drafts) else None, **lengths)
+            query_drafts=drafts if any(drafts) else None, query_prompt=[self._prompt_chunk(r) for r in rows],
+            **lengths)
         return tensor(ids), pos, meta
 
     @torch.inference_mode()
@@ -148,16 +149,14 @@ class ModelRunner:
             sampled = _sampled_rows(rows, meta)
             keep = sampled if _prunes(msg.want, rows, sampled, input_ids.shape[0]) else None
             drafts = sum(len(r.spec_token_ids) for r in rows)
-            forced = None
-            if apart and g == 0:
-                # the decode rows of a step with prompt chunks (_decode_apart), their logits too: on the many-row
-                # decode path (vdpbf16ps) whatever their count, as such steps computed them in bf16 before prompts
-                # took int8, so that speculation's different mix of steps does not move them
-                forced = max(input_ids.shape[0], (self._choices.packed_max_rows or 0) + 1 + drafts)
-            # nor does pruning: the last layer's products take the step's path for the kept rows
+            prompt = int8_prompts and (g == 1 if apart else any(self._prompt_chunk(r) for r in rows))
+            # decode rows (a step of only them, or those of a step with prompt chunks, _decode_apart), their logits
+            # too, pick their path by their batch's size; nor does pruning move them: the last layer's products
+            # take the step's path for the kept rows
+            forced = self._batch_rows(msg.num_running, input_ids.shape[0], drafts) if int8_prompts and not prompt \
+                else None
             counted = forced or (None if keep is None else input_ids.shape[0])
             with drafts_in_step(drafts):  # drafts never pick a path
-                prompt = int8_prompts and (g == 1 if apart else any(self._prompt_chunk(r) for r in rows))
                 with step_rows(counted), prompt_step(prompt):
                     hidden = self._forward(input_ids, positions, meta, sends, keep)
                 if last:
@@ -201,6 +200,20 @@ class ModelRunner:
         taken = set(chunks)
         decode = [i for i in range(len(rows)) if i not in taken]
         return [(decode, [rows[i] for i in decode]), (chunks, [rows[i] for i in chunks])]
+
+    def _batch_rows(self, num_running: int, rows: int, drafts: int) -> int:
+        """The rows decode rows count when they pick their products' path (linear_method.step_rows) where prompt rows
+        run on one-plane int8: the sequences running (StepMessage.num_running), drafts on top (path_rows takes them
+        off), not the rows in the forward. Decode rows take the two-plane few-row kernels or vdpbf16ps by that count,
+        and how many of a batch's sequences decode in a step, and beside which prompt chunks, differs between plain
+        and speculative runs of the same requests; the batch does not until they finish apart. By the forward's rows,
+        8 prompts of 300-700 tokens with n-gram drafts parted 2 of 8 from plain decoding (their rows in steps with
+        prompt chunks had taken vdpbf16ps), by their own count 5-6 of 16 (benchmarks/NOTES.md, thirty-ninth session).
+        Past the many-row decode path's limit (amx_max_rows) the count stops: those rows keep the one-call decoder,
+        and its arithmetic is the module path's past it (vdpbf16ps at any count)."""
+        if not num_running:
+            return rows
+        return max(rows, min(num_running, self._choices.amx_max_rows or num_running) + drafts)
 
     def _prompt_chunk(self, r: ScheduledRows) -> bool:
         """Whether these rows are positions of a prompt longer than a few-row step (or of a recomputed sequence),

@@ -26,6 +26,10 @@ class AttentionMetadata:
     # A backend that picks an attention path by a request's rows counts them out, as the products do
     # (quant.linear_method.path_rows), so verification gives each row the arithmetic plain decoding gives it.
     query_drafts: list[int] | None = None
+    # [B]: whether request i's rows are a chunk of a prompt (ModelRunner._prompt_chunk): a backend whose prompt and
+    # decode kernels differ gives such rows the prompt kernel at any row count, so a prompt row's arithmetic does
+    # not depend on how its prompt was chunked (which differs between plain and speculative runs). None: unmarked.
+    query_prompt: list[bool] | None = None
     # query_start_loc and seq_lens as int32 tensors on the device, for kernels that read them there
     # (triton_paged). A CUDA-graph runner fills persistent ones; left None, the backend builds them.
     query_start_loc_t: torch.Tensor | None = None  # [B + 1] int32

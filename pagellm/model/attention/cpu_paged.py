@@ -40,9 +40,12 @@ class CpuPagedAttention(AttentionBackend):
         starts = meta.query_start_loc
         drafts = meta.query_drafts
         # (a verification request's drafts do not count: its rows get the decode kernel, as in plain decoding,
-        # however many drafts it has)
+        # however many drafts it has; a chunk of a prompt takes the bf16 prompt kernel at any row count, so that
+        # its rows get the same bits however the prompt was chunked)
+        prompt = meta.query_prompt if self.bf16_prefill == "kernel" and meta.sliding_window is None else None
         long = [i for i in range(meta.num_reqs)
-                if starts[i + 1] - starts[i] - (drafts[i] if drafts else 0) > self.max_native_queries]
+                if starts[i + 1] - starts[i] - (drafts[i] if drafts else 0) > self.max_native_queries
+                or (prompt is not None and prompt[i])]
         if not long:
             return ops.paged_attention(q, kv_cache, meta.block_tables, meta.row_seq, meta.positions,
                                        meta.sliding_window, scale)
