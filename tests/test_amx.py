@@ -156,9 +156,9 @@ def test_platform_chooses_amx_only_under_auto_where_tiles_run(monkeypatch):
 @pytest.mark.slow
 def test_engine_decodes_on_amx_tiles_within_the_auto_bounds(smollm_gguf_path, monkeypatch):
     """Under auto, a batch of 24 decodes through the products over tile-order blocks (AMX, else vdpbf16ps: the
-    q4_1 layers and the q8_0 LM head): greedy logprobs against float32 within the bounds `--dtype auto` states
-    (tests/test_dtype_auto.py). The LM head's logits stay float32 here, where oneDNN's bf16 product rounds them
-    to bf16 (PAGELLM_CPU_AMX=0)."""
+    q4_1 layers and the q8_0 LM head, or its one-plane int8 products where the platform chose them): greedy
+    logprobs against float32 within the bounds `--dtype auto` states (tests/test_dtype_auto.py). The LM head's
+    logits stay float32 here, where oneDNN's bf16 product rounds them to bf16 (PAGELLM_CPU_AMX=0)."""
     import statistics
 
     from conftest import agreeing_logprob_diffs
@@ -170,7 +170,12 @@ def test_engine_decodes_on_amx_tiles_within_the_auto_bounds(smollm_gguf_path, mo
     prompts = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
     tiles = LLM(smollm_gguf_path, dtype="auto")
     assert tiles.engine.model.layers[0].mlp.down_proj.amx_blocks is not None  # q4_1
-    assert tiles.engine.model.lm_head.amx_blocks.kind == "q8_0"  # the tied embedding's blocks
+    head = tiles.engine.model.lm_head  # the tied embedding's q8_0 blocks: in AMX tile order, or in int8 tile order
+    assert head.packed.kind == "q8_0"  # alone where the platform multiplies the head on one-plane int8 (int8_head)
+    if head.quant_method.choices.int8_head:
+        assert head.amx_blocks is None and head.int8_tiles is not None and head.weight_bf16 is None
+    else:
+        assert head.amx_blocks.kind == "q8_0"
     monkeypatch.setenv("PAGELLM_CPU_AMX", "0")
     assert LLM(smollm_gguf_path, dtype="auto").engine.model.layers[0].mlp.down_proj.amx_blocks is None
     exact = LLM(smollm_gguf_path, dtype="float32")

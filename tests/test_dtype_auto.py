@@ -27,7 +27,10 @@ from pagellm.platforms.base import OpChoices
 # One-plane int8 prompt rows (OpChoices.int8_many_rows: AVX-512 BF16 + VNNI without AMX), all 27 at once on the Zen 4
 # VM: median 0.019, p90 0.070, max 0.255 nats, 16 of 27 parted at margins 0.005-0.209 (4 at once: median 0.016, max
 # 0.276, 15 at <= 0.172); with PAGELLM_CPU_INT8_PREFILL=0 (oneDNN bf16) median 0.014, p90 0.057, max 0.138, 12 of 27
-# at <= 0.127 (thirty-eighth session, `benchmarks/dtype_auto_quality.py "auto, max_num_seqs"`).
+# at <= 0.127 (thirty-eighth session, `benchmarks/dtype_auto_quality.py "auto, max_num_seqs"`). With the logits head on
+# one-plane int8 too (OpChoices.int8_head, the same CPUs): median 0.023, p90 0.081, max 0.263, 15 of 27 parted at
+# <= 0.209 (4 at once: median 0.022, max 0.310, 14 at <= 0.172); PAGELLM_CPU_INT8_HEAD=0 gives the figures before it
+# (thirty-ninth session).
 AUTO_LOGPROB_MEDIAN_TOL = 0.05  # nats
 AUTO_LOGPROB_TOL = 0.5  # nats, any single chosen token
 AUTO_WIDE_MARGIN = 0.3  # nats between float32's top-1 and top-2: such a top-1 must survive bf16 rounding
@@ -148,6 +151,71 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
     ref = x @ w.dequantize()[8:32].t()
     with prompt_step(True):
         assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_platform_multiplies_the_logits_head_on_one_plane_int8_where_prompt_rows_are(monkeypatch):
+    """The logits head's rows run on one-plane int8 on the CPUs whose prompt rows do (not with another dtype or an
+    explicit --int8-activations choice); PAGELLM_CPU_INT8_HEAD=0 switches the head alone back."""
+    p = get_platform("cpu")
+    auto = p.op_choices(torch.float32, auto=True)
+    assert auto.int8_head == auto.int8_many_rows
+    assert ("logits head" in p.describe()["dtype"]) == auto.int8_head
+    assert not p.op_choices(torch.float32).int8_head
+    assert not p.op_choices(torch.float32, False, auto=True).int8_head
+    assert not p.op_choices(torch.float32, True, auto=True).int8_head
+    monkeypatch.setenv("PAGELLM_CPU_INT8_HEAD", "0")
+    assert not p.op_choices(torch.float32, auto=True).int8_head
+    assert p.op_choices(torch.float32, auto=True).int8_many_rows == auto.int8_many_rows
+    monkeypatch.setenv("PAGELLM_CPU_INT8_HEAD", "2")
+    with pytest.raises(ValueError, match="PAGELLM_CPU_INT8_HEAD"):
+        p.op_choices(torch.float32, auto=True)
+
+
+@pytest.mark.skipif(not get_platform("cpu").fine_int8_activations, reason="no AVX-512 VNNI int8 path in this build")
+@torch.no_grad()
+def test_int8_logits_head_takes_one_plane_past_the_few_row_kernels():
+    """With OpChoices.int8_head the logits head (Linear.logits_head) keeps neither a bf16 copy nor AMX tile-order
+    blocks; past the few-row kernels' rows, and in prompt steps at any count, it multiplies on one-plane int8 (a
+    row's bits the same among 13 or 100 rows: the few-row and the wide kernels agree); few decode rows stay
+    two-plane, as the layers. Other layers, and the head without the choice, keep their paths; a tensor-parallel
+    cut that the int8 tile order cannot take gets the bf16 copy back."""
+    from dataclasses import replace
+
+    from test_amx import random_q8_0
+
+    from pagellm.kernels import amx, int8_tiles, ops
+    from pagellm.quant.linear_method import prompt_step
+
+    w = random_q8_0(64, 96)
+    choices = OpChoices(native_ops=True, packed_kernels=True, int8_activations=ops.INT8_FINE, bf16_gemm=True,
+                        packed_max_rows=12, amx_max_rows=64, amx_on_tiles=False, int8_many_rows=True, int8_head=True)
+    layers = {}
+    for name, head, on in (("head", True, True), ("layer", False, True), ("head off", True, False)):
+        layer = layers[name] = Linear(96, 64)
+        layer.logits_head = head
+        layer.configure(replace(choices, int8_head=on))
+        layer.load_shard(0, w.dequantize())
+        layer.add_packed_shard(0, w)
+        layer.process_after_loading()
+    head = layers["head"]
+    assert head.weight_bf16 is None and head.amx_blocks is None and head.int8_tiles is not None
+    assert layers["layer"].amx_blocks is not None and layers["head off"].amx_blocks is not None
+    x = torch.randn(100, 96)
+    one = int8_tiles.linear(x, head.int8_tiles, ops.INT8)
+    for rows in (13, 100):
+        y = head(x[:rows])
+        assert y.dtype == torch.float32 and torch.equal(y, one[:rows]) and not head.rounds_input_to_bf16(rows)
+    with prompt_step(True):
+        assert torch.equal(head(x[:5]), one[:5])
+    few = int8_tiles.linear(x[:5], head.int8_tiles, ops.INT8_FINE)
+    assert torch.equal(head(x[:5]), few) and torch.equal(layers["head off"](x[:5]), few)
+    assert not torch.equal(few, one[:5])
+    if amx.bf16dp_ready():  # past the few-row kernels the others take vdpbf16ps
+        assert not torch.equal(layers["head off"](x), one) and not torch.equal(layers["layer"](x), one)
+    head.shard(rows=torch.arange(8, 32))
+    assert head.int8_tiles is None and head.weight_bf16 is not None
+    ref = x @ w.dequantize()[8:32].t()
+    assert (head(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
 @pytest.mark.skipif(not get_platform("cpu").fine_int8_activations, reason="no AVX-512 VNNI int8 path in this build")
@@ -284,8 +352,8 @@ def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
 @pytest.mark.slow
 def test_one_plane_int8_prefill_stays_within_the_same_bounds(smollm_gguf_path):
     """Where the platform runs prefill on one-plane int8 (the 27 prompts in one step of ~400 rows; decode steps
-    of 27 rows on vdpbf16ps, few-row ones on two planes), the bounds above hold. Its tail is about twice the bf16
-    GEMMs' (the figures at the top)."""
+    of 27 rows on vdpbf16ps, few-row ones on two planes; the logits head past them on one plane), the bounds above
+    hold. Its tail is about twice the bf16 GEMMs' (the figures at the top)."""
     from pagellm import LLM, SamplingParams
 
     if not get_platform("cpu").op_choices(torch.float32, auto=True).int8_many_rows:

@@ -44,7 +44,9 @@ class OpChoices:
     int8_many_rows: in a forward of prompt chunks (quant.linear_method.prompt_step, set by the model runner for
     prompts longer than packed_max_rows) layers with int8 tile-order blocks multiply on one-plane int8 activations
     (llama.cpp's per-32 rounding; cpu/quant_linear_int8_wide.cpp) at any row count, and their decode rows past the
-    few-row kernels on vdpbf16ps at any count; such layers keep no bf16 copy (AVX-512 BF16 + VNNI without AMX)."""
+    few-row kernels on vdpbf16ps at any count; such layers keep no bf16 copy (AVX-512 BF16 + VNNI without AMX);
+    int8_head: the logits head (Linear.logits_head) with int8 tile-order blocks multiplies every row on one-plane
+    int8 activations, keeping neither a bf16 copy nor AMX tile-order blocks (the same CPUs)."""
 
     native_ops: bool = False
     packed_kernels: bool = False
@@ -58,6 +60,7 @@ class OpChoices:
     amx_on_tiles: bool = True
     int8_all_rows: bool = False
     int8_many_rows: bool = False
+    int8_head: bool = False
 
     @property
     def op_impl(self) -> str:

@@ -100,7 +100,7 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 SWITCHES = {"PAGELLM_CPU_KERNELS": ("1", "0"), "PAGELLM_CPU_AMX": ("1", "0"), "PAGELLM_CPU_BLAS": ("openblas", "torch"),
-            "PAGELLM_CPU_INT8_PREFILL": ("1", "0")}
+            "PAGELLM_CPU_INT8_PREFILL": ("1", "0"), "PAGELLM_CPU_INT8_HEAD": ("1", "0")}
 
 
 def _switch(name: str) -> str:
@@ -232,7 +232,8 @@ class CpuPlatform(Platform):
                          amx_on_tiles=not vdpbf16ps,
                          int8_all_rows=auto and native and not bf16 and mode == ops.INT8_FINE,
                          int8_many_rows=vdpbf16ps and mode == ops.INT8_FINE and
-                         _switch("PAGELLM_CPU_INT8_PREFILL") == "1")
+                         _switch("PAGELLM_CPU_INT8_PREFILL") == "1",
+                         int8_head=vdpbf16ps and mode == ops.INT8_FINE and _switch("PAGELLM_CPU_INT8_HEAD") == "1")
 
     @property
     def amx_tiles(self) -> bool:
@@ -383,8 +384,8 @@ class CpuPlatform(Platform):
                 f" activations, bf16 GEMMs above {choices.packed_max_rows} rows" if choices.bf16_gemm else "") + (
                 "" if not choices.int8_activations else ", two-plane int8 activations in every product of q4_1/q8_0 "
                 "blocks" if choices.int8_all_rows else ", two-plane int8 activations in few-row products") + (
-                ", one-plane int8 for prompt rows in q4_1/q8_0 products"
-                if choices.int8_many_rows else ""),
+                ", one-plane int8 for prompt rows in q4_1/q8_0 products" if choices.int8_many_rows else "") + (
+                ", one-plane int8 for every row of the logits head" if choices.int8_head else ""),
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",

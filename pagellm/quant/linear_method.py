@@ -195,8 +195,10 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def prepack_bf16(self, layer) -> None:
         """The bfloat16 copy, from the blocks, where the platform chose bf16 GEMMs, unless one-plane int8 takes the
-        rows it would (int8_many); also after a tensor-parallel cut that the int8 tile order no longer takes."""
-        if self.choices.bf16_gemm and layer.weight_bf16 is None and not self.int8_many(layer):
+        rows it would (int8_many, int8_head); also after a tensor-parallel cut that the int8 tile order no longer
+        takes."""
+        int8 = self.int8_many(layer) or self.int8_head(layer)
+        if self.choices.bf16_gemm and layer.weight_bf16 is None and not int8:
             layer.weight_bf16 = self.float_weight(layer).to(torch.bfloat16).contiguous()
         super().prepack_bf16(layer)
 
@@ -204,11 +206,11 @@ class GGUFBlocksLinearMethod(LinearMethod):
         """The blocks in AMX tile order where the platform chose AMX products and the kernel takes the kind, and
         in the int8 tile order where few-row products run on int8 activations and the build has that path (every
         row then the same bits whatever the rows in the step: int8_tiles)."""
-        use = self.choices.amx_max_rows and layer.packed is not None and amx.packs(layer.packed)
-        layer.amx_blocks = amx.pack(layer.packed) if use else None
         use = self.int8_activations and layer.packed is not None and int8_tiles.packs(layer.packed) and \
             self.reads_blocks(layer.packed) and int8_tiles.available()
         layer.int8_tiles = int8_tiles.pack(layer.packed) if use else None
+        use = self.choices.amx_max_rows and layer.packed is not None and amx.packs(layer.packed)
+        layer.amx_blocks = amx.pack(layer.packed) if use and not self.int8_head(layer) else None
 
     def amx_rows(self, layer, rows: int) -> bool:
         """Whether a many-row product of this many rows runs on AMX tiles (or vdpbf16ps) over the blocks: up to
@@ -225,9 +227,19 @@ class GGUFBlocksLinearMethod(LinearMethod):
         rows past the few-row kernels on vdpbf16ps, amx_blocks: N % 32 == 0)."""
         return self.choices.int8_many_rows and layer.int8_tiles is not None and layer.amx_blocks is not None
 
+    def int8_head(self, layer) -> bool:
+        """Whether this layer is the logits head and multiplies its rows past the few-row kernels on one-plane int8
+        (OpChoices.int8_head), as its prompt rows, instead of vdpbf16ps: 1.5-1.6x at 16-128 rows on the Zen 4 VM;
+        the logprobs' median distance from float32 0.019 -> 0.023 nats. Few rows stay two-plane: on one plane at
+        every count, small differences upstream (the layers' own switch at the few-row limit) moved more greedy
+        tokens (benchmarks/NOTES.md, thirty-ninth session)."""
+        return self.choices.int8_head and layer.logits_head and layer.int8_tiles is not None
+
     def int8_rows(self, layer, rows: int) -> bool:
-        """Whether a product runs there: in a forward of prompt chunks (prompt_step), at any row count."""
-        return _Step.prompt and self.int8_many(layer)
+        """Whether a product runs there: in a forward of prompt chunks (prompt_step), at any row count; the logits
+        head (int8_head) past the few-row kernels too."""
+        return (_Step.prompt and self.int8_many(layer)) or (self.int8_head(layer) and (
+            _Step.prompt or path_rows(rows, self.choices) > self.max_rows))
 
     def reads_blocks(self, packed: PackedWeight) -> bool:
         return self.choices.packed_kernels and ops.kernel_reads(packed)

@@ -33,6 +33,7 @@ class Linear(nn.Module):
         self.bf16_out = False  # bf16 products return bfloat16 (set by a module whose next product takes it)
         self._packed_shards: dict[int, PackedWeight] = {}
         self.reduce = None  # row-parallel (tensor parallelism): the all-reduce that sums the ranks' parts
+        self.logits_head = False  # the model's output layer (set by the model: OpChoices.int8_head)
 
     def configure(self, choices: OpChoices) -> None:
         """Before loading: the kernels this layer's method may use (the platform's choice)."""

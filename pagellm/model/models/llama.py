@@ -106,6 +106,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied checkpoints get a transposed copy of the embedding here (load_weights) unless the head
         # keeps packed blocks: the lookup wants rows of [vocab, hidden], the output layer [hidden, vocab].
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.logits_head = True
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
 
