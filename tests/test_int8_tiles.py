@@ -93,9 +93,9 @@ def test_a_row_gives_the_same_bits_in_any_call_and_stays_near_the_float_product(
 @pytest.mark.parametrize("shape", [(80, 576), (96, 1536)])
 def test_many_rows_give_the_same_bits_as_few_row_calls(kind, shape):
     """From 48 rows on AVX-512 VNNI, one plane, the wide kernel (cpu/quant_linear_int8_wide.cpp: 6 rows x 2 strips
-    a tile, rows in chunks of 240, x rounded in parallel) runs; a row's bits are those of a call of a few rows. 80
-    columns: two strip pairs and a strip alone; row counts at the 48-row limit, the tiles' remainders of 1-5 rows
-    and the chunk edges."""
+    a tile, rows in equal chunks of up to 240, x rounded in parallel) runs; a row's bits are those of a call of a
+    few rows. 80 columns: two strip pairs and a strip alone; row counts at the 48-row limit, the tiles' remainders
+    of 1-5 rows and the chunk edges."""
     torch.manual_seed(7)
     n, k = shape
     t = int8_tiles.pack(RANDOM[kind](n, k, seed=4))

@@ -7,8 +7,9 @@
 // The few-row path (quant_linear_int8_tiles.cpp) takes one strip of 16 columns past up to 12 rows and unpacks
 // q4_1's nibbles for every pass; here a register tile is 6 rows x 2 strips: each code vector of a block (unpacked
 // once per chunk of rows into a thread's buffer) is loaded once per input quad for the 6 rows, and x's 4 bytes are
-// broadcast once for both strips. Rows go in chunks of CHUNK_ROWS, whose rounded x stays in L2 across the strips;
-// the threads share (chunk, strip pair) items, chunk by chunk, with no barrier between chunks. The integer sums are exact and the float work is accumulate's, in the same order, so
+// broadcast once for both strips. Rows go in equal chunks of up to CHUNK_ROWS, whose rounded x stays in L2 across
+// the strips; the threads share (chunk, strip pair) items, chunk by chunk, with no barrier between chunks. The
+// integer sums are exact and the float work is accumulate's, in the same order, so
 // a row's result has the same bits as on the few-row path.
 #include "int8_tile_rows.h"
 
@@ -81,7 +82,9 @@ void wide(const Rows& x, const uint8_t* codes, const float* d, const float* m, i
           int nthreads) {
     const int strips = N / COLS, pairs = (strips + 1) / 2, nb = x.nb;
     const size_t code_stride = (size_t)nb * CODE_BYTES<Q8>, scale_stride = (size_t)nb * COLS;
-    const int chunks = (x.M + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    // chunks of equal rows (2,048 rows: 9 x 228, not 8 x 240 + 128): the threads take equal runs of items, and a
+    // short last chunk had left the thread that got it waiting less than the other
+    const int chunks = (x.M + CHUNK_ROWS - 1) / CHUNK_ROWS, chunk_rows = (x.M + chunks - 1) / chunks;
     nthreads = std::max(1, std::min(nthreads, chunks * pairs));
 #pragma omp parallel num_threads(nthreads)
     {
@@ -89,7 +92,7 @@ void wide(const Rows& x, const uint8_t* codes, const float* d, const float* m, i
         uint8_t* unpacked = aligned64(raw.data());
 #pragma omp for schedule(static)
         for (int item = 0; item < chunks * pairs; ++item) {
-            const int c0 = item / pairs * CHUNK_ROWS, c1 = std::min(x.M, c0 + CHUNK_ROWS), p = item % pairs;
+            const int c0 = item / pairs * chunk_rows, c1 = std::min(x.M, c0 + chunk_rows), p = item % pairs;
             const int s0 = 2 * p, n = std::min(2, strips - s0);
             const uint8_t* u[2] = {nullptr, nullptr};
             const float* ds[2] = {nullptr, nullptr};
