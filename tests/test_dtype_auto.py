@@ -156,6 +156,8 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
 def test_platform_multiplies_the_logits_head_on_one_plane_int8_where_prompt_rows_are(monkeypatch):
     """The logits head's rows run on one-plane int8 on the CPUs whose prompt rows do (not with another dtype or an
     explicit --int8-activations choice); PAGELLM_CPU_INT8_HEAD=0 switches the head alone back."""
+    for name in ("PAGELLM_CPU_INT8_PREFILL", "PAGELLM_CPU_INT8_HEAD"):
+        monkeypatch.delenv(name, raising=False)
     p = get_platform("cpu")
     auto = p.op_choices(torch.float32, auto=True)
     assert auto.int8_head == auto.int8_many_rows
@@ -175,16 +177,15 @@ def test_platform_multiplies_the_logits_head_on_one_plane_int8_where_prompt_rows
 @torch.no_grad()
 def test_int8_logits_head_takes_one_plane_past_the_few_row_kernels():
     """With OpChoices.int8_head the logits head (Linear.logits_head) keeps neither a bf16 copy nor AMX tile-order
-    blocks; past the few-row kernels' rows, and in prompt steps at any count, it multiplies on one-plane int8 (a
-    row's bits the same among 13 or 100 rows: the few-row and the wide kernels agree); few decode rows stay
-    two-plane, as the layers. Other layers, and the head without the choice, keep their paths; a tensor-parallel
+    blocks; past the few-row kernels' rows it multiplies on one-plane int8 (a row's bits the same among 13 or 100
+    rows: the few-row and the wide kernels agree); few rows stay two-plane, as the layers' (the model runner
+    counts a batch's size there). Other layers, and the head without the choice, keep their paths; a tensor-parallel
     cut that the int8 tile order cannot take gets the bf16 copy back."""
     from dataclasses import replace
 
     from test_amx import random_q8_0
 
     from pagellm.kernels import amx, int8_tiles, ops
-    from pagellm.quant.linear_method import prompt_step
 
     w = random_q8_0(64, 96)
     choices = OpChoices(native_ops=True, packed_kernels=True, int8_activations=ops.INT8_FINE, bf16_gemm=True,
@@ -205,8 +206,6 @@ def test_int8_logits_head_takes_one_plane_past_the_few_row_kernels():
     for rows in (13, 100):
         y = head(x[:rows])
         assert y.dtype == torch.float32 and torch.equal(y, one[:rows]) and not head.rounds_input_to_bf16(rows)
-    with prompt_step(True):
-        assert torch.equal(head(x[:5]), one[:5])
     few = int8_tiles.linear(x[:5], head.int8_tiles, ops.INT8_FINE)
     assert torch.equal(head(x[:5]), few) and torch.equal(layers["head off"](x[:5]), few)
     assert not torch.equal(few, one[:5])

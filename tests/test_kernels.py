@@ -308,13 +308,17 @@ def test_engine_greedy_ids_equal_with_and_without_kernels(smollm_gguf_path, monk
     assert got == want
 
 
-@pytest.mark.parametrize("dtype", [None, "auto"])
-def test_native_decoder_equals_module_path(smollm_gguf_path, dtype):
+@pytest.mark.parametrize("dtype,int8_prefill", [(None, "1"), ("auto", "1"), ("auto", "0")])
+def test_native_decoder_equals_module_path(smollm_gguf_path, dtype, int8_prefill, monkeypatch):
     """The one-call decoder runs the same kernels in the same order as the module-by-module native
     path, so few-row steps give bit-identical logits with it and without it (under auto on AVX-512 VNNI:
-    the int8 tile-order products, Linear.int8_tiles, in both)."""
+    the int8 tile-order products, Linear.int8_tiles, in both). Also where prompts do not take one-plane int8
+    (PAGELLM_CPU_INT8_PREFILL=0, or AMX): there the decoder takes short prompts' steps, so the module path must
+    attend them as it does (the decode kernel: a review found prompt chunks marked for the prompt kernel there)."""
     from pagellm import LLM, SamplingParams
     from pagellm.kernels import int8_tiles
+
+    monkeypatch.setenv("PAGELLM_CPU_INT8_PREFILL", int8_prefill)
 
     llm = LLM(smollm_gguf_path, speculative_method="ngram", num_speculative_tokens=3, speculative_adaptive=False,
               dtype=dtype)

@@ -324,3 +324,23 @@ def test_a_prompts_rows_get_the_same_bits_however_it_is_chunked():
         assert torch.equal(torch.cat([attend(a, b, True) for a, b in pieces]), whole)
     pieces = zip((0, 10, 20, 30, 40), (10, 20, 30, 40, 48), strict=True)
     assert not torch.equal(torch.cat([attend(a, b, False) for a, b in pieces]), whole)
+
+
+@pytest.mark.slow
+def test_a_prompts_last_row_alone_gets_the_same_logits_in_a_pruned_step(smollm_gguf_path):
+    """A 17-token prompt with 16 tokens cached leaves a one-row chunk. Alone, its step's last layer runs every row
+    (forward); beside a longer prompt, only the rows that sample (forward_rows). Where prompt chunks are marked for
+    the prompt kernel (query_prompt), both give the row that kernel, so its logits do not depend on the other
+    prompt (a review found forward_rows giving it the decode kernel)."""
+    from pagellm import LLM, SamplingParams
+
+    llm = LLM(smollm_gguf_path, dtype="auto", enable_prefix_caching=True)
+    short, other = list(range(2000, 2017)), list(range(5000, 5040))
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    llm.generate([{"prompt_token_ids": short}], params, use_tqdm=False)  # its first 16 tokens cached
+
+    def logprobs(*prompts):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return outs[0].outputs[0].logprobs
+
+    assert logprobs(short) == logprobs(short, other)

@@ -119,8 +119,10 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=tensor(slots), block_tables=tensor(table), query_start_loc=starts, seq_lens=seq_lens,
             block_size=bs, sliding_window=self.sliding_window, row_seq=tensor(row_req), positions=pos,
-            query_drafts=drafts if any(drafts) else None, query_prompt=[self._prompt_chunk(r) for r in rows],
-            **lengths)
+            query_drafts=drafts if any(drafts) else None,
+            # where prompt chunks take one-plane int8 (and so never the one-call decoder, which attends every row
+            # through the decode kernel): attended through the prompt kernel at any row count
+            query_prompt=[self._prompt_chunk(r) for r in rows] if self._choices.int8_many_rows else None, **lengths)
         return tensor(ids), pos, meta
 
     @torch.inference_mode()
@@ -160,7 +162,11 @@ class ModelRunner:
                 with step_rows(counted), prompt_step(prompt):
                     hidden = self._forward(input_ids, positions, meta, sends, keep)
                 if last:
-                    with step_rows(forced):
+                    # a prompt chunk's logits too by the batch's size (how many prompts sample in a step differs
+                    # between plain and speculative runs)
+                    logits_rows = forced if forced is not None or not (int8_prompts and msg.num_running) else \
+                        self._batch_rows(msg.num_running, len(sampled), 0)
+                    with step_rows(logits_rows):
                         parts.append(self._outputs(msg.want, rows, index, hidden, meta, sampled, keep is not None))
         for work in sends:  # the next stage has received them before this step returns
             work.wait()

@@ -228,18 +228,18 @@ class GGUFBlocksLinearMethod(LinearMethod):
         return self.choices.int8_many_rows and layer.int8_tiles is not None and layer.amx_blocks is not None
 
     def int8_head(self, layer) -> bool:
-        """Whether this layer is the logits head and multiplies its rows past the few-row kernels on one-plane int8
-        (OpChoices.int8_head), as its prompt rows, instead of vdpbf16ps: 1.5-1.6x at 16-128 rows on the Zen 4 VM;
-        the logprobs' median distance from float32 0.019 -> 0.023 nats. Few rows stay two-plane: on one plane at
-        every count, small differences upstream (the layers' own switch at the few-row limit) moved more greedy
-        tokens (benchmarks/NOTES.md, thirty-ninth session)."""
+        """Whether this layer is the logits head and multiplies its rows past the few-row kernels (the model runner
+        counts a batch's size there, prompts' logits too) on one-plane int8 (OpChoices.int8_head), not vdpbf16ps:
+        1.5-1.6x at 16-128 rows on the Zen 4 VM; the logprobs' median distance from float32 0.019 -> 0.023 nats.
+        Few rows stay two-plane: on one plane at every count, small differences upstream (the layers' own switch at
+        the few-row limit) moved more greedy tokens (benchmarks/NOTES.md, thirty-ninth session)."""
         return self.choices.int8_head and layer.logits_head and layer.int8_tiles is not None
 
     def int8_rows(self, layer, rows: int) -> bool:
         """Whether a product runs there: in a forward of prompt chunks (prompt_step), at any row count; the logits
-        head (int8_head) past the few-row kernels too."""
-        return (_Step.prompt and self.int8_many(layer)) or (self.int8_head(layer) and (
-            _Step.prompt or path_rows(rows, self.choices) > self.max_rows))
+        head (int8_head) past the few-row kernels."""
+        return (_Step.prompt and self.int8_many(layer)) or (
+            self.int8_head(layer) and path_rows(rows, self.choices) > self.max_rows)
 
     def reads_blocks(self, packed: PackedWeight) -> bool:
         return self.choices.packed_kernels and ops.kernel_reads(packed)

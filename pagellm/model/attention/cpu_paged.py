@@ -42,7 +42,7 @@ class CpuPagedAttention(AttentionBackend):
         # (a verification request's drafts do not count: its rows get the decode kernel, as in plain decoding,
         # however many drafts it has; a chunk of a prompt takes the bf16 prompt kernel at any row count, so that
         # its rows get the same bits however the prompt was chunked)
-        prompt = meta.query_prompt if self.bf16_prefill == "kernel" and meta.sliding_window is None else None
+        prompt = self._prompt_marks(meta)
         long = [i for i in range(meta.num_reqs)
                 if starts[i + 1] - starts[i] - (drafts[i] if drafts else 0) > self.max_native_queries
                 or (prompt is not None and prompt[i])]
@@ -66,16 +66,31 @@ class CpuPagedAttention(AttentionBackend):
 
     def forward_rows(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, keep: torch.Tensor):
         """Only the rows `keep` attend (a step's last layer, whose other rows' outputs nobody reads), each over its
-        request's keys in the cache through the decode kernel, one query row at a time: a prefill chunk's last
-        row costs what a decode row does, and the chunk's flash attention is not run."""
+        request's keys in the cache through the decode kernel, one query row at a time (a marked prompt's through the
+        prompt kernel, as forward gives them): a prefill chunk's last row costs what a decode row does, and the
+        chunk's flash attention is not run."""
         if q.shape[-1] % 8:
             return super().forward_rows(q, k, v, kv_cache, meta, scale, keep)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         if not keep.numel():
             return q[:0]
-        return ops.paged_attention(q.index_select(0, keep), kv_cache, meta.block_tables,
-                                   meta.row_seq.index_select(0, keep), meta.positions.index_select(0, keep),
-                                   meta.sliding_window, scale)
+        rows, seqs = q.index_select(0, keep), meta.row_seq.index_select(0, keep)
+        positions = meta.positions.index_select(0, keep)
+        out = ops.paged_attention(rows, kv_cache, meta.block_tables, seqs, positions, meta.sliding_window, scale)
+        prompt = self._prompt_marks(meta)
+        if prompt is not None:  # a prompt's kept rows as forward gives them: the prompt kernel, a row at a time
+            chunks = [(j, 1, p + 1, i) for j, (i, p) in enumerate(zip(seqs.tolist(), positions.tolist(), strict=True))
+                      if prompt[i]]
+            if chunks:
+                ops.prefill_attention_bf16_batch(rows, kv_cache, meta.block_tables, chunks, scale, out)
+        return out
+
+    def _prompt_marks(self, meta: AttentionMetadata) -> list[bool] | None:
+        """Which requests' rows are a prompt's chunk that the prompt kernel takes at any row count (the runner's
+        marks, AttentionMetadata.query_prompt), where this backend runs that kernel; None where none does."""
+        if self.bf16_prefill != "kernel" or meta.sliding_window is not None:
+            return None
+        return meta.query_prompt
 
     def _long_requests(self, q, kv_cache, meta: AttentionMetadata, scale: float, long: list[int]) -> torch.Tensor:
         """The output rows of the requests in `long` (other rows left unset): the own bf16 kernel for those it
