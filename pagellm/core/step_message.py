@@ -61,7 +61,7 @@ class StepMessage:
     # hidden state: embeddings) or "all_logits" (every row's logits: scoring)
     want: str = "logits"
     # sequences running when the step was scheduled (SchedulerOutput.num_running; 0: not known): a batch's size,
-    # which plain and speculative runs share where their steps' rows differ (ModelRunner._decode_rows_counted)
+    # which plain and speculative runs share where their steps' rows differ (ModelRunner._batch_rows)
     num_running: int = 0
 
     @property

@@ -144,14 +144,13 @@ class ModelRunner:
         parts: list[StepResult] = []
         sends = []
         groups = self._micro_batches(msg.rows, msg.want)
-        apart = self.pipeline is None and len(groups) == 2  # decode rows first, then prompt chunks (_decode_apart)
         int8_prompts = self._choices.int8_many_rows
-        for g, (index, rows) in enumerate(groups):
+        for index, rows in groups:
             input_ids, positions, meta = self._prepare(rows)
             sampled = _sampled_rows(rows, meta)
             keep = sampled if _prunes(msg.want, rows, sampled, input_ids.shape[0]) else None
             drafts = sum(len(r.spec_token_ids) for r in rows)
-            prompt = int8_prompts and (g == 1 if apart else any(self._prompt_chunk(r) for r in rows))
+            prompt = int8_prompts and any(meta.query_prompt)  # the runner's marks (_prepare), where prompts take int8
             # decode rows (a step of only them, or those of a step with prompt chunks, _decode_apart), their logits
             # too, pick their path by their batch's size; nor does pruning move them: the last layer's products
             # take the step's path for the kept rows
@@ -164,8 +163,9 @@ class ModelRunner:
                 if last:
                     # a prompt chunk's logits too by the batch's size (how many prompts sample in a step differs
                     # between plain and speculative runs)
-                    logits_rows = forced if forced is not None or not (int8_prompts and msg.num_running) else \
-                        self._batch_rows(msg.num_running, len(sampled), 0)
+                    logits_rows = forced
+                    if prompt and msg.num_running:
+                        logits_rows = self._batch_rows(msg.num_running, len(sampled), 0)
                     with step_rows(logits_rows):
                         parts.append(self._outputs(msg.want, rows, index, hidden, meta, sampled, keep is not None))
         for work in sends:  # the next stage has received them before this step returns

@@ -385,7 +385,7 @@ class CpuPlatform(Platform):
                 "" if not choices.int8_activations else ", two-plane int8 activations in every product of q4_1/q8_0 "
                 "blocks" if choices.int8_all_rows else ", two-plane int8 activations in few-row products") + (
                 ", one-plane int8 for prompt rows in q4_1/q8_0 products" if choices.int8_many_rows else "") + (
-                ", one-plane int8 for every row of the logits head" if choices.int8_head else ""),
+                ", one-plane int8 for the logits head's rows past them" if choices.int8_head else ""),
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",
             "float32_gemm": "numpy OpenBLAS" if choices.blas_gemm else "torch",

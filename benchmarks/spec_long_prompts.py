@@ -1,0 +1,39 @@
+"""Speculation against plain decoding on long prompts that share steps with decode rows: BATCH prompts of
+300-700 tokens of English text (pagellm/quant/calibration.txt, the test's choice in tests/test_spec_decode.py), 32
+greedy tokens each, plain once, then n-gram k = 4 and k = 16 without adaptive drafting; prints the sequences that
+parted. The thirty-ninth session's figures in benchmarks/NOTES.md (8 and 16 prompts) come from:
+
+    .venv/bin/python benchmarks/spec_long_prompts.py 8
+    .venv/bin/python benchmarks/spec_long_prompts.py 16
+"""
+
+import random
+import sys
+from pathlib import Path
+
+import pagellm.quant
+from pagellm import LLM, SamplingParams
+
+
+def main() -> None:
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    opts = dict(dtype="auto", enable_prefix_caching=False, kv_cache_memory="512MiB")
+    plain = LLM(**opts)
+    text = (Path(pagellm.quant.__file__).parent / "calibration.txt").read_text()
+    ids, rnd = plain.get_tokenizer().encode(text), random.Random(3)
+    lengths = [rnd.randrange(300, 700) for _ in range(batch)]
+    prompts = [{"prompt_token_ids": ids[s:s + n]} for n in lengths for s in [rnd.randrange(0, len(ids) - n)]]
+    base = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.shutdown()
+    for k in (4, 16):
+        spec = LLM(**opts, speculative_method="ngram", num_speculative_tokens=k, speculative_adaptive=False)
+        out = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+        parted = [i for i in range(batch) if out[i] != base[i]]
+        print(f"batch {batch}, k = {k}: {len(parted)} of {batch} parted {parted}, "
+              f"{spec.engine.scheduler.stats.num_accepted_tokens} drafts accepted", flush=True)
+        spec.shutdown()
+
+
+if __name__ == "__main__":
+    main()
