@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from pagellm.platforms.cpu import MADV_POPULATE_WRITE
+from pagellm.platforms.cpu_memory import MADV_POPULATE_WRITE
 
 GIB = 1 << 30
 

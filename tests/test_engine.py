@@ -350,7 +350,7 @@ def test_kv_cache_memory_is_resident_only_once_written():
     cache adds little RSS until it is filled (the fill proves the measurement can see it)."""
     import torch
 
-    from pagellm.platforms.cpu import zeros_on_touch
+    from pagellm.platforms.cpu_memory import zeros_on_touch
 
     before = _rss_bytes()
     cache = zeros_on_touch((2, 2048, 16, 8, 256), torch.float32)  # 512 MiB
@@ -385,7 +385,7 @@ def test_populate_makes_memory_resident_and_keeps_its_contents():
     where that is refused) and changes no value: a fresh cache still reads as zeros, written data stays."""
     import torch
 
-    from pagellm.platforms.cpu import populate, zeros_on_touch
+    from pagellm.platforms.cpu_memory import populate, zeros_on_touch
 
     cache = zeros_on_touch((2, 512, 16, 8, 64), torch.float16)  # 16 MiB
     assert _resident_bytes(cache) < 4 * 2**20

@@ -100,14 +100,14 @@ def test_stepping_processes_bound_libgomp_spin_unless_the_user_chose():
 # in a full run and in 4 of 12 fresh runs here.
 _FAULTS_OF_A_STEP = """
 import ctypes, resource, sys
-from pagellm.platforms import cpu
+from pagellm.platforms import cpu, cpu_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 with cpu.CpuPlatform().loading():
     pass
 if sys.argv[1] == "old":  # the threshold glibc pinned at 128 KiB before loading() raised it
-    cpu._mallopt(cpu.M_TRIM_THRESHOLD, 128 << 10)
+    cpu_memory.mallopt(cpu_memory.M_TRIM_THRESHOLD, 128 << 10)
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     p = libc.malloc(16 << 20)  # 16 MiB, below the mmap threshold: from the heap's top, every page written

@@ -9,11 +9,7 @@ keeps torch's GEMM for float32 products.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import ctypes
-import math
-import mmap
 import os
 from collections.abc import Iterator
 
@@ -22,6 +18,17 @@ import torch
 from pagellm.kernels.build import env_choice
 from pagellm.platforms import cpu_isa
 from pagellm.platforms.base import OpChoices, Platform
+from pagellm.platforms.cpu_memory import (
+    M_MMAP_THRESHOLD,
+    M_TRIM_THRESHOLD,
+    PREFAULT_MAX_SHARE,
+    TRIM_THRESHOLD,
+    available_memory,
+    malloc_trim,
+    mallopt,
+    populate,
+    zeros_on_touch,
+)
 
 # With bf16 GEMMs, steps of more rows than this leave the packed kernels (and the one-call decoder): oneDNN's
 # bf16 GEMM costs about the same from 1 to 16 rows while the packed kernels' float32 FMAs grow with every
@@ -71,9 +78,6 @@ BF16DP_MAX_ROWS = 64
 # order (cpu/quant_linear_int8_wide.cpp, 64 multiply-adds per vpdpbusd to vdpbf16ps's 32), not oneDNN's bf16: 1.2-1.36x
 # at 2,048 rows on the Zen 4 VM; decode rows never (NOTES, 38th session). PAGELLM_CPU_INT8_PREFILL=0: oneDNN's bf16.
 
-# Freed memory glibc keeps at the top of a heap before it gives it back by itself (see loading()).
-TRIM_THRESHOLD = 256 << 20
-
 # `pagellm info`'s words for each bf16_prefill_attention choice
 PREFILL_ATTENTION = {"sdpa": "torch SDPA in bf16 (AMX tiles) under --dtype auto, else torch SDPA",
                      "kernel": "bf16 kernel (AMX tiles where ready, else vdpbf16ps) under --dtype auto, else SDPA",
@@ -86,19 +90,6 @@ _KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": 
 
 
 
-def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor backed by anonymous memory that the OS hands out page by page on first write, so a
-    KV cache costs resident memory only for the blocks requests have used (torch.zeros writes every byte
-    up front: the whole --kv-cache-memory would be resident from the start)."""
-    numel = math.prod(shape)
-    if numel == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # private anonymous mapping: reads as zeros, untouched pages cost nothing (a shared one is shmem, whose
-    # faults cost more)
-    buf = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
-
-
 SWITCHES = {"PAGELLM_CPU_KERNELS": ("1", "0"), "PAGELLM_CPU_AMX": ("1", "0"), "PAGELLM_CPU_BLAS": ("openblas", "torch"),
             "PAGELLM_CPU_INT8_PREFILL": ("1", "0"), "PAGELLM_CPU_INT8_HEAD": ("1", "0")}
 
@@ -107,63 +98,6 @@ def _switch(name: str) -> str:
     """A switch's value (the first choice where unset). Every switch is checked at each read, so a mistyped one is
     refused whichever of them this CPU goes on to read."""
     return {n: env_choice(n, choices) for n, choices in SWITCHES.items()}[name]
-
-
-MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, in one call
-PREFAULT_MAX_SHARE = 0.9  # of MemAvailable a prefaulted KV cache may take (the steps' activations need the rest)
-
-
-def available_memory() -> int | None:
-    """Bytes the OS could hand out now without swapping (Linux MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def populate(tensors: list[torch.Tensor], threads: int) -> None:
-    """Make every page of these CPU tensors resident now, contents unchanged, on `threads` threads. The OS
-    zeroes each page on its first write; inside a step that costs the step, and on a VM whose host has not
-    backed the memory yet each first touch is several microseconds (benchmarks/page_touch.py; the offline
-    workload's first run on a 2-core Xeon VM +3-8% with its KV cache populated in one hour, nothing the
-    next: benchmarks/NOTES.md, eighteenth session). vLLM and llama.cpp write their whole KV cache at start."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes releases the GIL: the threads overlap
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    except (OSError, AttributeError):
-        madvise = None
-
-    def one(t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0 or (madvise is not None and madvise(t.data_ptr(), nbytes, MADV_POPULATE_WRITE) == 0):
-            return
-        # an older kernel (EINVAL) or a start inside a page: write one byte of every page back unchanged
-        sample = t.view(-1).view(torch.uint8)[::mmap.PAGESIZE]
-        sample.copy_(sample.clone())
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-        list(pool.map(one, tensors))
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-
-
-def _mallopt(param: int, nbytes: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(param, nbytes)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 class CpuPlatform(Platform):
@@ -347,25 +281,25 @@ class CpuPlatform(Platform):
         # Loading churns through tens of MiB-sized temporaries on worker threads; below glibc's grown mmap
         # threshold they pile up in per-thread arenas (peak RSS 1.5 GiB for a 0.45 GiB model). Map them
         # directly while loading, then allow the usual 32 MiB (the dynamic threshold's ceiling).
-        _mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        mallopt(M_MMAP_THRESHOLD, 1 << 20)
         try:
             yield
         finally:
-            _mallopt(M_MMAP_THRESHOLD, 32 << 20)
+            mallopt(M_MMAP_THRESHOLD, 32 << 20)
             # A fixed mmap threshold also fixes the trim threshold at 128 KiB: every step's freed activations
             # at the heap's top went back to the OS and the next step faulted them in again (W2 offline on the
             # Xeon VM: 1.35M page faults and 527 tok/s, a second run in the same engine 2.67M and 449; with
             # this 265k / 112k and 568 / 583). Idle trims (release_free_memory) still return it all.
-            _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+            mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
         # Dequantizing on worker threads leaves ~600 MiB of freed buffers in glibc's per-thread arenas
         # (measured with SmolLM2); hand them back to the OS before the KV cache is allocated on top.
-        _malloc_trim()
+        malloc_trim()
 
     def release_free_memory(self) -> None:
         # Requests leave freed buffers below the 32 MiB mmap threshold (bodies, prompts, logits rows) in
         # glibc's arenas, which only return memory from their top: without a trim RSS ratchets up with
         # every new peak (bench soak: +150 MiB over 10 minutes of SmolLM2 traffic).
-        _malloc_trim()
+        malloc_trim()
 
     def describe(self) -> dict[str, str]:
         build = self.kernel_build
