@@ -208,9 +208,13 @@ class CpuPlatform(Platform):
         AVX-512 BF16), else float16 where the paged kernel reads that in place. Decode attention streams every
         row's whole KV each step and is memory-bound: float32 -> float16 took the offline workload -5 to -9%
         CPU time on the Zen 5 VM, float16 -> int8 +8-13% output tok/s on the Xeon VM, with 0.54x the bytes
-        per token (benchmarks/NOTES.md, nineteenth session; the logprob cost is in tests/test_dtype_auto.py)."""
+        per token (benchmarks/NOTES.md, nineteenth session; the logprob cost is in tests/test_dtype_auto.py).
+        Without bf16 dot products (AVX2, or AVX-512 without BF16) float16 where the paged kernel reads it (F16C),
+        as llama.cpp's default f16 cache: the offline workload +6% output tok/s and 1.6 -> 1.2 GiB peak RSS on the
+        Zen 4 VM capped to AVX2 (benchmarks/NOTES.md, fortieth session); --dtype float32 keeps a float32 cache."""
         if not self.bf16_dot_products:
-            return dtype
+            return torch.float16 if dtype == torch.float32 and self.kv_dtype_readable_natively(torch.float16) \
+                else dtype
         from pagellm.kernels import ops
 
         if self.kv_dtype_readable_natively(torch.int8) and ops.has_bf16_prefill_attention():
