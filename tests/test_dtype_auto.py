@@ -334,13 +334,16 @@ def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     # the bf16 GEMMs' bounds: few-row steps (int8 activations where the platform chose them) and one-plane int8
     # prefill are tested below
-    exact = LLM(smollm_gguf_path, dtype="float32")
     auto = LLM(smollm_gguf_path, dtype="auto", int8_activations=False)
     bf16 = auto.engine.model.layers[0].mlp.down_proj.weight_bf16 is not None
     assert bf16 == get_platform("cpu").op_choices(torch.float32, auto=True).bf16_gemm
+    # no bf16 dot products here: auto computes in float32 with a float16 KV cache where the kernels read it (as
+    # llama.cpp's default), so float32 with that cache is exact
+    exact = LLM(smollm_gguf_path, dtype="float32",
+                kv_cache_dtype="float32" if bf16 else str(auto.engine.kv_dtype).removeprefix("torch."))
     a = exact.generate(BATCH_PROMPTS, params, use_tqdm=False)
     b = auto.generate(BATCH_PROMPTS, params, use_tqdm=False)
-    if not bf16:  # no bf16 dot products here: auto is float32, and exact
+    if not bf16:
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
         return
     diffs = agreeing_logprob_diffs([o.outputs[0] for o in a], [o.outputs[0] for o in b], AUTO_WIDE_MARGIN)

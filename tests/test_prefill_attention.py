@@ -203,7 +203,7 @@ def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch)
     assert p.bf16_prefill_attention(True, torch.float8_e4m3fn) is None  # fp8 caches: float32 SDPA
     amx = "amx_bf16" in p.isa
     expected = (None if not (p.bf16_dot_products and p.native_kernels)
-                else ("kernel" if ops.has_amx_prefill_attention() else "sdpa") if amx
+                else "sdpa" if amx and not ops.has_amx_prefill_attention() and not p.bf16dp_products
                 else "kernel" if ops.has_bf16_prefill_attention() else None)
     assert p.bf16_prefill_attention(True, torch.float16) == expected
     assert p.bf16_prefill_attention(True, torch.int8) == expected
@@ -214,7 +214,16 @@ def test_platform_chooses_it_only_under_auto_with_bf16_dot_products(monkeypatch)
         monkeypatch.setattr(p, "isa", [f for f in p.isa if f != "amx_bf16"] + ["amx_bf16"])
         # AMX: the own kernel on tiles where it has them, else torch's SDPA on oneDNN's tiles
         assert p.bf16_prefill_attention(True, torch.float16) == ("kernel" if ops.has_amx_prefill_attention()
-                                                                 else "sdpa")
+                                                                 else "kernel" if p.bf16dp_products and
+                                                                 ops.has_bf16_prefill_attention() else "sdpa")
+        # AMX in the ISA but no tiles (a kernel without the tile state, or a build without them): the products take
+        # vdpbf16ps and prompts one-plane int8 as on a Zen 4, so their marked chunks need the own kernel
+        monkeypatch.setattr(ops, "has_amx_prefill_attention", lambda: False)
+        if p.op_choices(torch.float32, auto=True).int8_many_rows:
+            assert p.bf16_prefill_attention(True, torch.int8) == "kernel"
+        monkeypatch.setattr(type(p), "bf16dp_products", property(lambda self: False))
+        assert p.bf16_prefill_attention(True, torch.int8) == "sdpa"
+        monkeypatch.undo()
         monkeypatch.setattr(p, "isa", [f for f in p.isa if f != "amx_bf16"] + ["avx512_bf16"])
         assert p.bf16_prefill_attention(True, torch.float16) == ("kernel" if ops.has_bf16_prefill_attention() else None)
     monkeypatch.setattr(p, "isa", [f for f in p.isa if f not in ("avx512_bf16", "amx_bf16")])

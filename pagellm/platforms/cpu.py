@@ -235,7 +235,8 @@ class CpuPlatform(Platform):
         own bf16 flash-attention kernel, with its products on AMX tiles where the CPU, the build and the OS have them
         (1.4-2.0x faster than torch's bf16 SDPA over the gathered cache on the Xeon VM at 512-2,048 tokens) and on
         AVX-512 BF16 `vdpbf16ps` without AMX (3x torch's bf16 SDPA on the Zen 5 VM); "sdpa" with AMX-BF16 but no
-        tile kernel (torch's flash attention on bf16 inputs, whose products oneDNN runs on AMX tiles); None: float32
+        tile kernel and no vdpbf16ps products (torch's flash attention on bf16 inputs, whose products oneDNN runs on AMX
+        tiles); None: float32
         SDPA. Both read float32, float16 and int8 caches; outputs within bf16 rounding
         (tests/test_prefill_attention.py)."""
         if not (auto and self.bf16_dot_products and self.native_kernels
@@ -243,8 +244,11 @@ class CpuPlatform(Platform):
             return None
         from pagellm.kernels import ops
 
-        if "amx_bf16" in self.isa:  # the own kernel where its products run on tiles, else oneDNN's
-            return "kernel" if ops.has_amx_prefill_attention() else "sdpa"
+        # AMX: the own kernel where its products run on tiles, else oneDNN's; but where the tiles are not ready and
+        # products take vdpbf16ps (bf16dp_products), as on a Zen 4, prompts take one-plane int8 and the runner marks
+        # their chunks for the own kernel (OpChoices.int8_many_rows): torch's SDPA would drop those marks
+        if "amx_bf16" in self.isa and not ops.has_amx_prefill_attention() and not self.bf16dp_products:
+            return "sdpa"
         return "kernel" if ops.has_bf16_prefill_attention() else None
 
     def attention_backend(self, requested: str, kv_dtype: torch.dtype, compute_dtype: torch.dtype) -> str:
