@@ -6,22 +6,11 @@ rows. The thirty-ninth session's figures in benchmarks/NOTES.md come from:
         .venv/bin/python benchmarks/microbench_logits_head.py
 """
 
-import time
-
 import torch
+from timing import best_ms
 
 from pagellm import LLM
 from pagellm.kernels import amx, int8_tiles, ops
-
-
-def best_ms(f, reps: int = 5, rounds: int = 7) -> float:
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(reps):
-            f()
-        times.append((time.perf_counter() - t) / reps * 1e3)
-    return min(times)
 
 
 def main() -> None:
@@ -30,9 +19,9 @@ def main() -> None:
         raise SystemExit("the head lacks a tile order here (PAGELLM_CPU_INT8_HEAD=0, on AVX-512 BF16 + VNNI)")
     for rows in (16, 32, 64, 128):
         x = torch.randn(rows, head.in_features)
-        ms = {"vdpbf16ps": best_ms(lambda x=x: amx.linear(x, head.amx_blocks, torch.float32, tiles=False)),
-              "int8 one plane": best_ms(lambda x=x: int8_tiles.linear(x, head.int8_tiles, ops.INT8)),
-              "int8 two planes": best_ms(lambda x=x: int8_tiles.linear(x, head.int8_tiles, ops.INT8_FINE))}
+        ms = {"vdpbf16ps": best_ms(lambda x=x: amx.linear(x, head.amx_blocks, torch.float32, tiles=False), 5, 7),
+              "int8 one plane": best_ms(lambda x=x: int8_tiles.linear(x, head.int8_tiles, ops.INT8), 5, 7),
+              "int8 two planes": best_ms(lambda x=x: int8_tiles.linear(x, head.int8_tiles, ops.INT8_FINE), 5, 7)}
         print(rows, "rows:", ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
 
 

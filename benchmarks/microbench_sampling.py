@@ -7,24 +7,13 @@ softmax that it needs, and the fused native temperature + softmax + draw (ops.so
 """
 
 import sys
-import time
 
 import torch
+from timing import best_ms
 
 from pagellm.kernels import ops
 from pagellm.platforms import get_platform
 from pagellm.sample.draw import uniforms
-
-
-def best_ms(fn, rounds: int = 5, calls: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t) / calls * 1000)
-    return min(times)
 
 
 def main() -> None:
@@ -42,7 +31,7 @@ def main() -> None:
         "fused temperature + softmax + draw (ops.softmax_draw)": lambda: ops.softmax_draw(x, inv, u),
     }
     for name, fn in cases.items():
-        print(f"{name:55s} {best_ms(fn):8.3f} ms")
+        print(f"{name:55s} {best_ms(fn, calls=20, rounds=5, warmup=1):8.3f} ms")
 
 
 if __name__ == "__main__":

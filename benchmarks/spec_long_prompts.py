@@ -1,5 +1,5 @@
 """Speculation against plain decoding on long prompts that share steps with decode rows: BATCH prompts of
-300-700 tokens of English text (pagellm/quant/calibration.txt, the test's choice in tests/test_spec_decode.py), 32
+300-700 tokens of English text (pagellm.bench.workload.text_prompts, as tests/test_spec_decode.py), 32
 greedy tokens each, plain once, then n-gram k = 4 and k = 16 without adaptive drafting; prints the sequences that
 parted. The thirty-ninth session's figures in benchmarks/NOTES.md (8 and 16 prompts) come from:
 
@@ -7,12 +7,10 @@ parted. The thirty-ninth session's figures in benchmarks/NOTES.md (8 and 16 prom
     .venv/bin/python benchmarks/spec_long_prompts.py 16
 """
 
-import random
 import sys
-from pathlib import Path
 
-import pagellm.quant
 from pagellm import LLM, SamplingParams
+from pagellm.bench.workload import text_prompts
 
 
 def main() -> None:
@@ -20,10 +18,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     opts = dict(dtype="auto", enable_prefix_caching=False, kv_cache_memory="512MiB")
     plain = LLM(**opts)
-    text = (Path(pagellm.quant.__file__).parent / "calibration.txt").read_text()
-    ids, rnd = plain.get_tokenizer().encode(text), random.Random(3)
-    lengths = [rnd.randrange(300, 700) for _ in range(batch)]
-    prompts = [{"prompt_token_ids": ids[s:s + n]} for n in lengths for s in [rnd.randrange(0, len(ids) - n)]]
+    prompts = [{"prompt_token_ids": p} for p in text_prompts(plain.get_tokenizer(), batch, (300, 700), seed=3)]
     base = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     plain.shutdown()
     for k in (4, 16):

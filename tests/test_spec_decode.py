@@ -335,9 +335,7 @@ def test_speculation_is_lossless_where_prompt_chunks_share_steps_with_decode_row
     rows decode in it, which differ between plain and speculative runs, never change it (with the decode rows in
     the prompt forward, 3 of 16 sequences parted in a probe's run of this kind; with them on the many-row path
     whatever the batch, 2 of 8). `batch` prompts of 300-700 tokens of English text, all at once."""
-    from pathlib import Path
-
-    import pagellm.quant
+    from pagellm.bench.workload import text_prompts
     from pagellm.platforms import get_platform
 
     if not get_platform("cpu").op_choices(torch.float32, auto=True).int8_many_rows:
@@ -345,10 +343,7 @@ def test_speculation_is_lossless_where_prompt_chunks_share_steps_with_decode_row
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     opts = dict(dtype="auto", enable_prefix_caching=False, kv_cache_memory="512MiB")
     plain = LLM(**opts)
-    text = (Path(pagellm.quant.__file__).parent / "calibration.txt").read_text()
-    ids, rnd = plain.get_tokenizer().encode(text), random.Random(3)
-    lengths = [rnd.randrange(300, 700) for _ in range(batch)]
-    prompts = [{"prompt_token_ids": ids[s:s + n]} for n in lengths for s in [rnd.randrange(0, len(ids) - n)]]
+    prompts = [{"prompt_token_ids": p} for p in text_prompts(plain.get_tokenizer(), batch, (300, 700), seed=3)]
     base = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     spec = LLM(**opts, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive=False)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == base

@@ -25,6 +25,18 @@ def random_workload(num_requests: int, vocab_size: int, prompt_len: tuple[int, i
     return out
 
 
+def text_prompts(tokenizer, num: int, length: tuple[int, int], seed: int) -> list[list[int]]:
+    """`num` slices of the bundled English text (pagellm/quant/calibration.txt), each of a length in [lo, hi):
+    prompts whose continuations n-gram drafts can guess, as random ids' cannot."""
+    from pagellm.quant.quantize_cli import DEFAULT_CALIBRATION
+
+    with open(DEFAULT_CALIBRATION) as f:
+        ids = tokenizer.encode(f.read())
+    rnd = random.Random(seed)
+    lengths = [rnd.randrange(*length) for _ in range(num)]
+    return [ids[s:s + n] for n in lengths for s in [rnd.randrange(0, len(ids) - n)]]
+
+
 def check_fits(lengths: list[tuple[int, int]], max_model_len: int) -> None:
     """(prompt, output) token counts against the engine's max_model_len, before a run: a request that cannot
     fit would stop early (fewer output tokens than the figures claim) or be refused mid-run."""

@@ -152,6 +152,7 @@ class CpuPlatform(Platform):
             mode = ops.INT8 if int8_activations else ops.INT8_OFF
         amx = bf16 and native and self.amx_tiles
         vdpbf16ps = bf16 and native and not amx and self.bf16dp_products
+        one_plane = vdpbf16ps and mode == ops.INT8_FINE  # where prompt rows and the head may take one-plane int8
         if not bf16:
             few_rows = None
         elif amx:
@@ -165,9 +166,8 @@ class CpuPlatform(Platform):
                          amx_max_rows=AMX_MAX_ROWS if amx else BF16DP_MAX_ROWS if vdpbf16ps else 0,
                          amx_on_tiles=not vdpbf16ps,
                          int8_all_rows=auto and native and not bf16 and mode == ops.INT8_FINE,
-                         int8_many_rows=vdpbf16ps and mode == ops.INT8_FINE and
-                         _switch("PAGELLM_CPU_INT8_PREFILL") == "1",
-                         int8_head=vdpbf16ps and mode == ops.INT8_FINE and _switch("PAGELLM_CPU_INT8_HEAD") == "1")
+                         int8_many_rows=one_plane and _switch("PAGELLM_CPU_INT8_PREFILL") == "1",
+                         int8_head=one_plane and _switch("PAGELLM_CPU_INT8_HEAD") == "1")
 
     @property
     def amx_tiles(self) -> bool:
@@ -235,9 +235,8 @@ class CpuPlatform(Platform):
         own bf16 flash-attention kernel, with its products on AMX tiles where the CPU, the build and the OS have them
         (1.4-2.0x faster than torch's bf16 SDPA over the gathered cache on the Xeon VM at 512-2,048 tokens) and on
         AVX-512 BF16 `vdpbf16ps` without AMX (3x torch's bf16 SDPA on the Zen 5 VM); "sdpa" with AMX-BF16 but no
-        tile kernel and no vdpbf16ps products (torch's flash attention on bf16 inputs, whose products oneDNN runs on AMX
-        tiles); None: float32
-        SDPA. Both read float32, float16 and int8 caches; outputs within bf16 rounding
+        tile kernel and no vdpbf16ps products (torch's flash attention on bf16 inputs, whose products oneDNN runs on
+        AMX tiles); None: float32 SDPA. Both read float32, float16 and int8 caches; outputs within bf16 rounding
         (tests/test_prefill_attention.py)."""
         if not (auto and self.bf16_dot_products and self.native_kernels
                 and kv_dtype in (torch.float32, torch.float16, torch.int8)):
