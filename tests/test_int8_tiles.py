@@ -140,3 +140,67 @@ def test_bad_shapes_are_refused_not_computed():
     with pytest.raises(ValueError, match="columns"):
         int8_tiles.linear(torch.randn(2, 32), t, 2)
     assert int8_tiles.linear(torch.randn(0, 64), t, 2).shape == (0, 16)
+
+
+needs_avx2 = pytest.mark.skipif(not int8_tiles.avx2_rows(), reason="not an AVX2 build (the AVX-512 paths above run)")
+
+
+@needs_avx2
+@pytest.mark.parametrize("shape", [(80, 576), (96, 1536)])
+def test_avx2_prompt_rows_give_a_rows_bits_in_any_call_near_the_float_product(shape):
+    """An AVX2 build's one-plane products over q4_1 blocks (cpu/quant_linear_int8_avx2.cpp: vpmaddubsw, int16 sums per
+    block): a row's bits whatever the rows beside it (tiles of 3 rows, chunks of up to 240), x rounded as the
+    natural-order one-plane kernel rounds it, and the float product within int8 rounding."""
+    torch.manual_seed(11)
+    n, k = shape
+    w = random_q4_1(n, k, seed=8)
+    t = int8_tiles.pack(w)
+    x = torch.randn(490, k) * 2
+    alone = torch.cat([int8_tiles.linear(x[i:i + 1], t, 1) for i in range(0, 490)])
+    for rows in (2, 3, 4, 5, 239, 240, 241, 490):
+        assert torch.equal(int8_tiles.linear(x[:rows], t, 1), alone[:rows]), rows
+    assert torch.equal(int8_tiles.linear(x[3:300], t, 1), alone[3:300])
+    ref = reference(x, w)
+    assert ((alone.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+    old = ops.packed_linear(x, w, ops.INT8)  # the few-row one-plane kernel rounds x the same way
+    assert ((alone - old).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+@needs_avx2
+def test_avx2_prompt_rows_fuse_silu_mul_and_refuse_what_they_do_not_compute():
+    torch.manual_seed(9)
+    t = int8_tiles.pack(random_q4_1(48, 576, seed=6))
+    for rows in (3, 301):
+        gate_up = torch.randn(rows, 1152) * 4
+        fused = int8_tiles.linear(gate_up, t, 1, silu_mul=True)
+        assert torch.equal(fused, int8_tiles.linear(ops.silu_mul(gate_up), t, 1))
+    x = torch.randn(4, 576)
+    with pytest.raises(RuntimeError, match="cannot run"):  # two planes: the AVX-512 VNNI builds only
+        int8_tiles.linear(x, t, 2)
+    with pytest.raises(RuntimeError, match="cannot run"):  # q8_0's codes + 128 would overflow vpmaddubsw's pairs
+        int8_tiles.linear(x, int8_tiles.pack(random_q8_0(48, 576)), 1)
+
+
+@needs_path
+def test_the_avx2_build_gives_the_avx512_wide_kernels_bits(tmp_path):
+    """The AVX2 prompt-row kernel's float work is int8_tile_rows.h's accumulate lane for lane over the same exact
+    integer sums, so an AVX2 build (PAGELLM_CPU_ISA=avx2, in a subprocess: one build per process) gives the bits of
+    this AVX-512 build's one-plane products."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(13)
+    t = int8_tiles.pack(random_q4_1(64, 1536, seed=12))
+    x = torch.randn(70, 1536) * 3
+    torch.save({"t": t.codes, "d": t.d, "m": t.m, "x": x}, tmp_path / "in.pt")
+    script = (
+        "import sys, torch\n"
+        "from pagellm.kernels import int8_tiles\n"
+        "assert int8_tiles.avx2_rows()\n"
+        f"a = torch.load({str(tmp_path / 'in.pt')!r})\n"
+        "t = int8_tiles.Int8Tiles('q4_1', a['t'], a['d'], a['m'], 64, 1536)\n"
+        f"torch.save(int8_tiles.linear(a['x'], t, 1), {str(tmp_path / 'out.pt')!r})\n")
+    env = dict(os.environ, PAGELLM_CPU_ISA="avx2")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=240)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), int8_tiles.linear(x, t, 1))

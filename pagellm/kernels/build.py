@@ -43,7 +43,8 @@ ISA_MACROS = ["AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512B
 # Bit i of pagellm_build_features() (cpu/features.cpp): the hand-written kernel paths compiled into the
 # library (AVX2+FMA, F16C, VNNI; the compiler may still auto-vectorize plain loops for any ISA in "isa").
 PATHS = ["avx2-fma", "f16c-kv", "vnni-int8", "avx512-bf16-prefill-attention", "avx512-vnni-int8", "amx-bf16-q4",
-         "int8-tiles", "amx-prefill-attention", "avx512-bf16-q4", "avx512-vnni-int8-kv-attention"]
+         "int8-tiles", "amx-prefill-attention", "avx512-bf16-q4", "avx512-vnni-int8-kv-attention",
+         "avx2-int8-prompt-rows"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {

@@ -32,6 +32,13 @@ def available() -> bool:
 
 
 @functools.cache
+def avx2_rows() -> bool:
+    """Whether the loaded kernels have, instead, the AVX2 build's one-plane products over q4_1 blocks in tile order
+    (kernel path bit 10, cpu/quant_linear_int8_avx2.cpp): prompt rows under --dtype auto on an AVX2 CPU."""
+    return cpu_kernels() is not None and bool(library().pagellm_build_features() >> 10 & 1)
+
+
+@functools.cache
 def amx_ready() -> bool:
     """Whether many-row calls run on AMX-INT8 tiles (the build has them and Linux granted the tile state)."""
     return available() and bool(library().pagellm_int8_tiles_amx_ready())

@@ -19,6 +19,8 @@
 // bit 8: bit 5's products on AVX-512 BF16 vdpbf16ps instead of tiles (AVX-512 F/BW/BF16; quant_linear_bf16dp.cpp)
 // bit 9: decode attention over int8 KV rows with integer dot products (AVX-512 F/BW/VNNI with bits 0-1;
 //        attention_int8_vnni.h)
+// bit 10: one-plane int8 products of prompt rows over q4_1 blocks in the int8 tile order on AVX2 vpmaddubsw, where
+//        bit 6 is not built (quant_linear_int8_avx2.cpp)
 extern "C" int pagellm_build_features() {
     int bits = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -50,6 +52,9 @@ extern "C" int pagellm_build_features() {
 #endif
 #if defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     bits |= 1 << 9;
+#endif
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+    bits |= 1 << 10;
 #endif
 #endif
     return bits;

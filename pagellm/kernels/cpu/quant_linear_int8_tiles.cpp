@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "int8_tile_rows.h"
+#include "quant_linear_int8_avx2.h"
 
 #ifdef PAGELLM_VNNI512
 #include <algorithm>
@@ -242,6 +243,12 @@ int tiles_linear(int kind, int planes, int method, const float* x, int64_t ldx, 
                            : run<1, true>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles, silu_mul);
     return planes == 2 ? run<2, false>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles, silu_mul)
                        : run<1, false>(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, tiles, silu_mul);
+#elif defined(PAGELLM_INT8_AVX2)
+    // AVX2 builds: one plane over q4_1 blocks only (q8_0's codes + 128 would overflow vpmaddubsw's int16 pairs)
+    if (N % 16 || K % 32 || M < 1 || kind != 0 || planes != 1 || method < 0 || method > 1 || m == nullptr)
+        return -1;
+    int8_avx2::linear(x, ldx, M, K, codes, d, m, N, y, ldy, nthreads, silu_mul);
+    return 0;
 #else
     (void)kind, (void)planes, (void)method, (void)x, (void)ldx, (void)M, (void)K, (void)codes, (void)d, (void)m;
     (void)N, (void)y, (void)ldy, (void)nthreads, (void)silu_mul;
