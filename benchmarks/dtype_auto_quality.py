@@ -5,7 +5,7 @@ GEMMs), and at most 4 running at once (decode steps of <= 4 rows: the packed ker
 where the platform chose them), the same with `--no-int8-activations` (float32 few-row products); then
 float32 with `--int8-activations` at most 4 at once; then auto with an int8 KV cache, both ways.
 
-    .venv/bin/python benchmarks/dtype_auto_quality.py [WORD ...]   (only the configs whose label has a WORD)
+    .venv/bin/python benchmarks/dtype_auto_quality.py [--long] [WORD ...]   (only the configs whose label has a WORD)
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from pagellm import LLM, SamplingParams
 
 PROMPTS = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
 PROMPTS += ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
+# --long: each prompt behind this instruction, past every platform's few-row limit (20 tokens), so that where prompt
+# rows take one-plane int8 (OpChoices.int8_many_rows) every prompt does: on AVX2, whose limit is 20, the plain
+# prompts (5-20 tokens) take the few-row kernels
+LONG_PREFIX = "Answer each of the following questions about geography, science or code briefly and correctly.\n"
 
 
 def compare(a, b) -> tuple[list[float], list[float]]:
@@ -35,7 +39,9 @@ def compare(a, b) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    a = LLM(None, dtype="float32").generate(PROMPTS, params, use_tqdm=False)
+    wanted = [w for w in sys.argv[1:] if w != "--long"]  # labels containing any of these words (all configs without)
+    prompts = [LONG_PREFIX + p for p in PROMPTS] if "--long" in sys.argv[1:] else PROMPTS
+    a = LLM(None, dtype="float32").generate(prompts, params, use_tqdm=False)
     configs = [("auto, max_num_seqs 256", {"dtype": "auto", "max_num_seqs": 256}),
                ("auto, max_num_seqs 4", {"dtype": "auto", "max_num_seqs": 4}),
                ("auto --no-int8-activations, max_num_seqs 4",
@@ -45,15 +51,14 @@ def main() -> None:
                 {"dtype": "auto", "max_num_seqs": 256, "kv_cache_dtype": "int8"}),
                ("auto --kv-cache-dtype int8, max_num_seqs 4",
                 {"dtype": "auto", "max_num_seqs": 4, "kv_cache_dtype": "int8"})]
-    wanted = sys.argv[1:]  # labels containing any of these words (all configs without)
     for label, options in configs:
         if wanted and not any(w in label for w in wanted):
             continue
-        b = LLM(None, **options).generate(PROMPTS, params, use_tqdm=False)
+        b = LLM(None, **options).generate(prompts, params, use_tqdm=False)
         diffs, margins = compare(a, b)
         print(f"{label}: {len(diffs)} tokens while outputs agree: median "
               f"{statistics.median(diffs):.3f}, p90 {diffs[int(0.9 * len(diffs))]:.3f}, max {diffs[-1]:.3f} nats; "
-              f"{len(margins)} of {len(PROMPTS)} sequences parted; float32 top-1 margins there: {margins}")
+              f"{len(margins)} of {len(prompts)} sequences parted; float32 top-1 margins there: {margins}")
 
 
 if __name__ == "__main__":

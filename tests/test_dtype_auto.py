@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import agreeing_logprob_diffs
 
+from pagellm.kernels import int8_tiles
 from pagellm.model.layers.linear import Linear
 from pagellm.platforms import get_platform
 from pagellm.platforms.base import OpChoices
@@ -81,9 +82,10 @@ def test_platform_chooses_fine_int8_activations_only_for_auto_with_avx512_vnni()
         p.fine_int8_activations and not p.bf16_dot_products)
 
 
-def test_platform_chooses_one_plane_int8_prefill_only_past_vdpbf16ps_under_auto(monkeypatch):
+def test_platform_chooses_one_plane_int8_prompt_rows_under_auto_past_vdpbf16ps_or_on_avx2(monkeypatch):
     """Prompt rows run on one-plane int8 where auto chose two-plane int8 for few rows
-    and vdpbf16ps for the rows above them (AVX-512 BF16 and VNNI, no AMX); not under an explicit dtype, an explicit
+    and vdpbf16ps for the rows above them (AVX-512 BF16 and VNNI, no AMX), and in an AVX2 build (no bf16, no VNNI:
+    vpmaddubsw over q4_1 blocks, float32 elsewhere); not under an explicit dtype, an explicit
     --int8-activations / --no-int8-activations, or PAGELLM_CPU_INT8_PREFILL=0."""
     from pagellm.kernels import ops
 
@@ -91,7 +93,9 @@ def test_platform_chooses_one_plane_int8_prefill_only_past_vdpbf16ps_under_auto(
     auto = p.op_choices(torch.float32, auto=True)
     wanted = auto.int8_activations == ops.INT8_FINE and auto.bf16_gemm and not auto.amx_on_tiles and \
         auto.amx_max_rows > 0
-    assert auto.int8_many_rows == wanted
+    avx2 = auto.native_ops and not auto.bf16_gemm and not auto.int8_activations and int8_tiles.avx2_rows()
+    assert auto.int8_many_rows == (wanted or avx2)
+    wanted = wanted or avx2
     assert ("one-plane int8" in p.describe()["dtype"]) == wanted
     assert not p.op_choices(torch.float32).int8_many_rows
     assert not p.op_choices(torch.float32, False, auto=True).int8_many_rows
@@ -114,7 +118,7 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
 
     from test_amx import random_q4_1, random_q8_0
 
-    from pagellm.kernels import amx, int8_tiles, ops
+    from pagellm.kernels import amx, ops
     from pagellm.quant.linear_method import prompt_step
 
     w = (random_q4_1 if kind == "q4_1" else random_q8_0)(64, 96)
@@ -153,6 +157,48 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
         assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
+@pytest.mark.skipif(not get_platform("cpu").native_kernels or not int8_tiles.avx2_rows(),
+                    reason="not an AVX2 kernel build")
+@torch.no_grad()
+def test_avx2_int8_many_rows_take_q4_1_prompt_rows_only():
+    """In an AVX2 build (OpChoices.int8_many_rows without bf16 GEMMs) a q4_1 layer keeps its blocks in int8 tile
+    order too; in a forward of prompt chunks a product of any row count is one-plane int8_tiles.linear (the MLP's
+    activation inside the rounding), elsewhere the float32 paths as without the choice. A q8_0 layer keeps its
+    float32 paths everywhere (the kernel takes q4_1 only)."""
+    from dataclasses import replace
+
+    from test_amx import random_q4_1, random_q8_0
+
+    from pagellm.kernels import ops
+    from pagellm.quant.linear_method import prompt_step
+
+    choices = OpChoices(native_ops=True, packed_kernels=True, blas_gemm=True, packed_weights_only=True,
+                        int8_many_rows=True)
+    x, gate_up = torch.randn(100, 96), torch.randn(100, 192) * 3
+    for kind, w in (("q4_1", random_q4_1(64, 96)), ("q8_0", random_q8_0(64, 96))):
+        layers = {}
+        for many in (True, False):
+            layer = layers[many] = Linear(96, 64)
+            layer.configure(replace(choices, int8_many_rows=many))
+            layer.load_shard(0, w.dequantize())
+            layer.add_packed_shard(0, w)
+            layer.process_after_loading()
+        layer, plain = layers[True], layers[False]
+        assert (layer.int8_tiles is not None) == (kind == "q4_1") and plain.int8_tiles is None
+        for rows in (100, 5, 1):
+            assert torch.equal(layer(x[:rows]), plain(x[:rows]))  # decode rows: float32 as without the choice
+            with prompt_step(True):
+                y = layer(x[:rows])
+                if kind == "q4_1":
+                    assert torch.equal(y, int8_tiles.linear(x[:rows], layer.int8_tiles, ops.INT8)), rows
+                    assert torch.equal(layer.silu_mul_forward(gate_up[:rows]), layer(ops.silu_mul(gate_up[:rows])))
+                else:
+                    assert torch.equal(y, plain(x[:rows])) and layer.silu_mul_forward(gate_up[:rows]) is None
+        ref = x @ w.dequantize().t()
+        with prompt_step(True):
+            assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
 def test_platform_multiplies_the_logits_head_on_one_plane_int8_where_prompt_rows_are(monkeypatch):
     """The logits head's rows run on one-plane int8 on the CPUs whose prompt rows do (not with another dtype or an
     explicit --int8-activations choice); PAGELLM_CPU_INT8_HEAD=0 switches the head alone back."""
@@ -160,7 +206,7 @@ def test_platform_multiplies_the_logits_head_on_one_plane_int8_where_prompt_rows
         monkeypatch.delenv(name, raising=False)
     p = get_platform("cpu")
     auto = p.op_choices(torch.float32, auto=True)
-    assert auto.int8_head == auto.int8_many_rows
+    assert auto.int8_head == (auto.int8_many_rows and auto.bf16_gemm)  # AVX2: prompt rows only
     assert ("logits head" in p.describe()["dtype"]) == auto.int8_head
     assert not p.op_choices(torch.float32).int8_head
     assert not p.op_choices(torch.float32, False, auto=True).int8_head
@@ -185,7 +231,7 @@ def test_int8_logits_head_takes_one_plane_past_the_few_row_kernels():
 
     from test_amx import random_q8_0
 
-    from pagellm.kernels import amx, int8_tiles, ops
+    from pagellm.kernels import amx, ops
 
     w = random_q8_0(64, 96)
     choices = OpChoices(native_ops=True, packed_kernels=True, int8_activations=ops.INT8_FINE, bf16_gemm=True,
@@ -225,7 +271,7 @@ def test_int8_all_rows_runs_many_row_products_on_the_int8_tiles(kind):
     int8_tiles.linear, a row's the same in any call); without it, many rows take the float32 product."""
     from test_amx import random_q4_1, random_q8_0
 
-    from pagellm.kernels import int8_tiles, ops
+    from pagellm.kernels import ops
     from pagellm.quant.linear_method import GGUFBlocksLinearMethod
 
     w = (random_q4_1 if kind == "q4_1" else random_q8_0)(64, 96)
@@ -325,6 +371,8 @@ def test_prepacked_bf16_weights_give_the_plain_products_bit_for_bit():
 
 BATCH_PROMPTS = [f"Item {i}: the capital of country number {i} in a long list of countries is" for i in range(24)]
 BATCH_PROMPTS += ["The three primary colors are", "def add(a, b):\n    return", "Water boils at a temperature of"]
+# benchmarks/dtype_auto_quality.py's --long prefix
+LONG_PROMPT_PREFIX = "Answer each of the following questions about geography, science or code briefly and correctly.\n"
 
 
 @pytest.mark.slow
@@ -353,19 +401,24 @@ def test_dtype_auto_stays_close_to_float32(smollm_gguf_path):
 
 @pytest.mark.slow
 def test_one_plane_int8_prefill_stays_within_the_same_bounds(smollm_gguf_path):
-    """Where the platform runs prefill on one-plane int8 (the 27 prompts in one step of ~400 rows; decode steps
-    of 27 rows on vdpbf16ps, few-row ones on two planes; the logits head past them on one plane), the bounds above
-    hold. Its tail is about twice the bf16 GEMMs' (the figures at the top)."""
+    """Where the platform runs prefill on one-plane int8 (the 27 prompts in one step of ~900 rows; decode steps
+    of 27 rows on vdpbf16ps, few-row ones on two planes; the logits head past them on one plane; on AVX2 decode
+    steps in float32), the bounds above hold. Its tail is about twice the bf16 GEMMs' (the figures at the top).
+    The prompts sit behind an instruction that takes each past every platform's few-row limit (on AVX2, 20
+    tokens: shorter prompts take the few-row float32 kernels there)."""
     from pagellm import LLM, SamplingParams
 
     if not get_platform("cpu").op_choices(torch.float32, auto=True).int8_many_rows:
-        pytest.skip("prefill is not one-plane int8 here (it is where AVX-512 BF16 and VNNI meet without AMX)")
+        pytest.skip("prefill is not one-plane int8 here (it is on AVX2, and where AVX-512 BF16 and VNNI meet "
+                    "without AMX)")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     exact, auto = LLM(smollm_gguf_path, dtype="float32"), LLM(smollm_gguf_path, dtype="auto")
     layer = auto.engine.model.layers[0].mlp.down_proj
     assert layer.weight_bf16 is None and layer.int8_tiles is not None
-    a = exact.generate(BATCH_PROMPTS, params, use_tqdm=False)
-    b = auto.generate(BATCH_PROMPTS, params, use_tqdm=False)
+    prompts = [LONG_PROMPT_PREFIX + p for p in BATCH_PROMPTS]
+    assert min(len(auto.get_tokenizer().encode(p)) for p in prompts) > 20
+    a = exact.generate(prompts, params, use_tqdm=False)
+    b = auto.generate(prompts, params, use_tqdm=False)
     diffs = agreeing_logprob_diffs([o.outputs[0] for o in a], [o.outputs[0] for o in b], AUTO_WIDE_MARGIN)
     assert len(diffs) >= 100
     assert statistics.median(diffs) < AUTO_LOGPROB_MEDIAN_TOL and max(diffs) < AUTO_LOGPROB_TOL

@@ -21,6 +21,7 @@ from pagellm.model.cuda_graphs import DecodeGraphRunner, length_tensors
 from pagellm.model.kv_swap import HostSwap, PinnedSwap
 from pagellm.model.layers.linear import Linear
 from pagellm.platforms.base import to_device
+from pagellm.quant.formats import PACKED_MAX_ROWS
 from pagellm.quant.kv_cache import kv_row_width
 from pagellm.quant.linear_method import drafts_in_step, in_prompt_step, path_rows, prompt_step, step_rows
 from pagellm.sample.prompt_logprobs import PromptLogprobRow, prompt_logprob_rows
@@ -145,6 +146,9 @@ class ModelRunner:
         sends = []
         groups = self._micro_batches(msg.rows, msg.want)
         int8_prompts = self._choices.int8_many_rows
+        # decode rows pick two-plane int8 or bf16 paths by their batch's size (_batch_rows); on AVX2 their paths are
+        # float32 (kernels or OpenBLAS: the rounding order differs), and they count their rows as elsewhere
+        counts_batch = int8_prompts and self._choices.bf16_gemm
         for index, rows in groups:
             input_ids, positions, meta = self._prepare(rows)
             sampled = _sampled_rows(rows, meta)
@@ -154,7 +158,7 @@ class ModelRunner:
             # decode rows (a step of only them, or those of a step with prompt chunks, _decode_apart), their logits
             # too, pick their path by their batch's size; nor does pruning move them: the last layer's products
             # take the step's path for the kept rows
-            forced = self._batch_rows(msg.num_running, input_ids.shape[0], drafts) if int8_prompts and not prompt \
+            forced = self._batch_rows(msg.num_running, input_ids.shape[0], drafts) if counts_batch and not prompt \
                 else None
             counted = forced or (None if keep is None else input_ids.shape[0])
             with drafts_in_step(drafts):  # drafts never pick a path
@@ -164,7 +168,7 @@ class ModelRunner:
                     # a prompt chunk's logits too by the batch's size (how many prompts sample in a step differs
                     # between plain and speculative runs)
                     logits_rows = forced
-                    if prompt and msg.num_running:
+                    if prompt and msg.num_running and counts_batch:
                         logits_rows = self._batch_rows(msg.num_running, len(sampled), 0)
                     with step_rows(logits_rows):
                         parts.append(self._outputs(msg.want, rows, index, hidden, meta, sampled, keep is not None))
@@ -227,7 +231,7 @@ class ModelRunner:
         chunk, so their rows' arithmetic does not depend on how they were chunked; shorter ones keep the few-row
         path (two-plane int8), as decode rows."""
         prompt = self.batch.seqs[r.seq_id].num_prompt_tokens
-        return prompt > (self._choices.packed_max_rows or 0) and (
+        return prompt > (self._choices.packed_max_rows or PACKED_MAX_ROWS) and (
             r.num_new_tokens - len(r.spec_token_ids) > 1 or r.num_computed_tokens < prompt)
 
     def _forward(self, input_ids, positions, meta, sends, keep: list[int] | None) -> torch.Tensor | None:

@@ -153,6 +153,10 @@ class CpuPlatform(Platform):
         amx = bf16 and native and self.amx_tiles
         vdpbf16ps = bf16 and native and not amx and self.bf16dp_products
         one_plane = vdpbf16ps and mode == ops.INT8_FINE  # where prompt rows and the head may take one-plane int8
+        # AVX2 (no bf16, no VNNI two-plane mode): prompt rows on one-plane int8 over q4_1 blocks (vpmaddubsw,
+        # cpu/quant_linear_int8_avx2.cpp) instead of OpenBLAS's sgemm; decode rows stay float32
+        avx2_prompts = auto and native and not bf16 and int8_activations is None and mode == ops.INT8_OFF and \
+            self._avx2_int8_rows()
         if not bf16:
             few_rows = None
         elif amx:
@@ -166,8 +170,14 @@ class CpuPlatform(Platform):
                          amx_max_rows=AMX_MAX_ROWS if amx else BF16DP_MAX_ROWS if vdpbf16ps else 0,
                          amx_on_tiles=not vdpbf16ps,
                          int8_all_rows=auto and native and not bf16 and mode == ops.INT8_FINE,
-                         int8_many_rows=one_plane and _switch("PAGELLM_CPU_INT8_PREFILL") == "1",
+                         int8_many_rows=(one_plane or avx2_prompts) and _switch("PAGELLM_CPU_INT8_PREFILL") == "1",
                          int8_head=one_plane and _switch("PAGELLM_CPU_INT8_HEAD") == "1")
+
+    @staticmethod
+    def _avx2_int8_rows() -> bool:
+        from pagellm.kernels import int8_tiles
+
+        return int8_tiles.avx2_rows()
 
     @property
     def amx_tiles(self) -> bool:
@@ -325,7 +335,8 @@ class CpuPlatform(Platform):
                 f" activations, bf16 GEMMs above {choices.packed_max_rows} rows" if choices.bf16_gemm else "") + (
                 "" if not choices.int8_activations else ", two-plane int8 activations in every product of q4_1/q8_0 "
                 "blocks" if choices.int8_all_rows else ", two-plane int8 activations in few-row products") + (
-                ", one-plane int8 for prompt rows in q4_1/q8_0 products" if choices.int8_many_rows else "") + (
+                "" if not choices.int8_many_rows else ", one-plane int8 for prompt rows in q4_1/q8_0 products"
+                if choices.bf16_gemm else ", one-plane int8 for prompt rows in q4_1 products (vpmaddubsw)") + (
                 ", one-plane int8 for the logits head's rows past them" if choices.int8_head else ""),
             "op_dtypes": ", ".join(f"{k} {v}" for k, v in self.op_dtypes(dtype).items()),
             "ops": "native kernels (forward_cpu)" if choices.native_ops else "plain torch (forward_native)",

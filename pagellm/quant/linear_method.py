@@ -208,6 +208,10 @@ class GGUFBlocksLinearMethod(LinearMethod):
         row then the same bits whatever the rows in the step: int8_tiles)."""
         use = self.int8_activations and layer.packed is not None and int8_tiles.packs(layer.packed) and \
             self.reads_blocks(layer.packed) and int8_tiles.available()
+        # an AVX2 build's prompt rows (int8_many_rows without bf16): q4_1 only, int8 activations off elsewhere
+        use = use or (self.choices.int8_many_rows and not self.choices.bf16_gemm and layer.packed is not None and
+                      layer.packed.kind == "q4_1" and int8_tiles.packs(layer.packed) and
+                      self.reads_blocks(layer.packed) and int8_tiles.avx2_rows())
         layer.int8_tiles = int8_tiles.pack(layer.packed) if use else None
         use = self.choices.amx_max_rows and layer.packed is not None and amx.packs(layer.packed)
         layer.amx_blocks = amx.pack(layer.packed) if use and not self.int8_head(layer) else None
@@ -224,8 +228,10 @@ class GGUFBlocksLinearMethod(LinearMethod):
 
     def int8_many(self, layer) -> bool:
         """Whether this layer's prompt rows run on one-plane int8 over its int8 tile-order blocks (and its decode
-        rows past the few-row kernels on vdpbf16ps, amx_blocks: N % 32 == 0)."""
-        return self.choices.int8_many_rows and layer.int8_tiles is not None and layer.amx_blocks is not None
+        rows past the few-row kernels on vdpbf16ps, amx_blocks: N % 32 == 0; without bf16 GEMMs, on AVX2, on the
+        float32 paths)."""
+        return self.choices.int8_many_rows and layer.int8_tiles is not None and (
+            layer.amx_blocks is not None or not self.choices.bf16_gemm)
 
     def int8_head(self, layer) -> bool:
         """Whether this layer is the logits head and multiplies its rows past the few-row kernels (the model runner
@@ -276,7 +282,7 @@ class GGUFBlocksLinearMethod(LinearMethod):
         if layer.weight_bf16 is not None and not few:
             return self.bf16_matmul(layer, x)
         if few:
-            if layer.int8_tiles is not None:
+            if layer.int8_tiles is not None and self.choices.int8_activations:
                 y = int8_tiles.linear(x, layer.int8_tiles, self.choices.int8_activations)
                 return y if layer.bias is None else y.add_(layer.bias)
             xp = x if packed.perm is None else x.index_select(1, packed.perm)

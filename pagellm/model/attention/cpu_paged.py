@@ -42,10 +42,10 @@ class CpuPagedAttention(AttentionBackend):
         # (a verification request's drafts do not count: its rows get the decode kernel, as in plain decoding,
         # however many drafts it has; a chunk of a prompt takes the bf16 prompt kernel at any row count, so that
         # its rows get the same bits however the prompt was chunked)
-        prompt = self._prompt_marks(meta)
+        prompt, paged = self._prompt_marks(meta), self._paged_prompts(meta)
         long = [i for i in range(meta.num_reqs)
-                if starts[i + 1] - starts[i] - (drafts[i] if drafts else 0) > self.max_native_queries
-                or (prompt is not None and prompt[i])]
+                if (starts[i + 1] - starts[i] - (drafts[i] if drafts else 0) > self.max_native_queries
+                    and not (paged is not None and paged[i])) or (prompt is not None and prompt[i])]
         if not long:
             return ops.paged_attention(q, kv_cache, meta.block_tables, meta.row_seq, meta.positions,
                                        meta.sliding_window, scale)
@@ -89,6 +89,17 @@ class CpuPagedAttention(AttentionBackend):
         """Which requests' rows are a prompt's chunk that the prompt kernel takes at any row count (the runner's
         marks, AttentionMetadata.query_prompt), where this backend runs that kernel; None where none does."""
         if self.bf16_prefill != "kernel" or meta.sliding_window is not None:
+            return None
+        return meta.query_prompt
+
+    def _paged_prompts(self, meta: AttentionMetadata) -> list[bool] | None:
+        """Which requests' rows are a marked prompt chunk that this kernel takes at any row count, where prompts are
+        marked (one-plane int8 prompt rows) but no bf16 prompt kernel runs (AVX2): float32 SDPA's rounding depends
+        on the chunk's shape, and int8's rounding of the next products turns such float32-level differences into
+        steps of 1/127 (a token's logprob moved ~0.01-0.07 nats between plain and speculative runs, whose prompts
+        are chunked apart; 2 of 16 sequences parted: benchmarks/NOTES.md, forty-first session). Row by row, a
+        prompt's rows get the same bits however it was chunked."""
+        if self.bf16_prefill is not None:
             return None
         return meta.query_prompt
 
