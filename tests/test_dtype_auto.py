@@ -31,7 +31,11 @@ from pagellm.platforms.base import OpChoices
 # at <= 0.127 (thirty-eighth session, `benchmarks/dtype_auto_quality.py "auto, max_num_seqs"`). With the logits head on
 # one-plane int8 too (OpChoices.int8_head, the same CPUs): median 0.023, p90 0.081, max 0.263, 15 of 27 parted at
 # <= 0.209 (4 at once: median 0.022, max 0.310, 14 at <= 0.172); PAGELLM_CPU_INT8_HEAD=0 gives the figures before it
-# (thirty-ninth session).
+# (thirty-ninth session). The same prompts behind an instruction (`dtype_auto_quality.py --long`, the test below:
+# every prompt past 20 tokens), Zen 4 VM: median 0.009, p90 0.063, max 0.360, 12 of 27 parted at <= 0.204 (4 at once:
+# 0.006 / 0.062 / 0.275, 13 at <= 0.171); capped to AVX2 (one-plane int8 prompt rows over q4_1 blocks, float32 decode,
+# float16 KV): median 0.005, p90 0.037, max 0.173, 7 of 27 parted at <= 0.171, against 0.000 / 0.001 / 0.003 and none
+# parted with PAGELLM_CPU_INT8_PREFILL=0 (forty-first session).
 AUTO_LOGPROB_MEDIAN_TOL = 0.05  # nats
 AUTO_LOGPROB_TOL = 0.5  # nats, any single chosen token
 AUTO_WIDE_MARGIN = 0.3  # nats between float32's top-1 and top-2: such a top-1 must survive bf16 rounding
@@ -155,48 +159,6 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
     ref = x @ w.dequantize()[8:32].t()
     with prompt_step(True):
         assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
-
-
-@pytest.mark.skipif(not get_platform("cpu").native_kernels or not int8_tiles.avx2_rows(),
-                    reason="not an AVX2 kernel build")
-@torch.no_grad()
-def test_avx2_int8_many_rows_take_q4_1_prompt_rows_only():
-    """In an AVX2 build (OpChoices.int8_many_rows without bf16 GEMMs) a q4_1 layer keeps its blocks in int8 tile
-    order too; in a forward of prompt chunks a product of any row count is one-plane int8_tiles.linear (the MLP's
-    activation inside the rounding), elsewhere the float32 paths as without the choice. A q8_0 layer keeps its
-    float32 paths everywhere (the kernel takes q4_1 only)."""
-    from dataclasses import replace
-
-    from test_amx import random_q4_1, random_q8_0
-
-    from pagellm.kernels import ops
-    from pagellm.quant.linear_method import prompt_step
-
-    choices = OpChoices(native_ops=True, packed_kernels=True, blas_gemm=True, packed_weights_only=True,
-                        int8_many_rows=True)
-    x, gate_up = torch.randn(100, 96), torch.randn(100, 192) * 3
-    for kind, w in (("q4_1", random_q4_1(64, 96)), ("q8_0", random_q8_0(64, 96))):
-        layers = {}
-        for many in (True, False):
-            layer = layers[many] = Linear(96, 64)
-            layer.configure(replace(choices, int8_many_rows=many))
-            layer.load_shard(0, w.dequantize())
-            layer.add_packed_shard(0, w)
-            layer.process_after_loading()
-        layer, plain = layers[True], layers[False]
-        assert (layer.int8_tiles is not None) == (kind == "q4_1") and plain.int8_tiles is None
-        for rows in (100, 5, 1):
-            assert torch.equal(layer(x[:rows]), plain(x[:rows]))  # decode rows: float32 as without the choice
-            with prompt_step(True):
-                y = layer(x[:rows])
-                if kind == "q4_1":
-                    assert torch.equal(y, int8_tiles.linear(x[:rows], layer.int8_tiles, ops.INT8)), rows
-                    assert torch.equal(layer.silu_mul_forward(gate_up[:rows]), layer(ops.silu_mul(gate_up[:rows])))
-                else:
-                    assert torch.equal(y, plain(x[:rows])) and layer.silu_mul_forward(gate_up[:rows]) is None
-        ref = x @ w.dequantize().t()
-        with prompt_step(True):
-            assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
 def test_platform_multiplies_the_logits_head_on_one_plane_int8_where_prompt_rows_are(monkeypatch):

@@ -204,3 +204,43 @@ def test_the_avx2_build_gives_the_avx512_wide_kernels_bits(tmp_path):
     env = dict(os.environ, PAGELLM_CPU_ISA="avx2")
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=240)
     assert torch.equal(torch.load(tmp_path / "out.pt"), int8_tiles.linear(x, t, 1))
+
+
+@needs_avx2
+@torch.no_grad()
+def test_avx2_int8_many_rows_take_q4_1_prompt_rows_only():
+    """In an AVX2 build (OpChoices.int8_many_rows without bf16 GEMMs) a q4_1 layer keeps its blocks in int8 tile
+    order too; in a forward of prompt chunks a product of any row count is one-plane int8_tiles.linear (the MLP's
+    activation inside the rounding), elsewhere the float32 paths as without the choice. A q8_0 layer keeps its
+    float32 paths everywhere (the kernel takes q4_1 only)."""
+    from dataclasses import replace
+
+    from pagellm.model.layers.linear import Linear
+    from pagellm.platforms.base import OpChoices
+    from pagellm.quant.linear_method import prompt_step
+
+    choices = OpChoices(native_ops=True, packed_kernels=True, blas_gemm=True, packed_weights_only=True,
+                        int8_many_rows=True)
+    x, gate_up = torch.randn(100, 96), torch.randn(100, 192) * 3
+    for kind, w in (("q4_1", random_q4_1(64, 96)), ("q8_0", random_q8_0(64, 96))):
+        layers = {}
+        for many in (True, False):
+            layer = layers[many] = Linear(96, 64)
+            layer.configure(replace(choices, int8_many_rows=many))
+            layer.load_shard(0, w.dequantize())
+            layer.add_packed_shard(0, w)
+            layer.process_after_loading()
+        layer, plain = layers[True], layers[False]
+        assert (layer.int8_tiles is not None) == (kind == "q4_1") and plain.int8_tiles is None
+        for rows in (100, 5, 1):
+            assert torch.equal(layer(x[:rows]), plain(x[:rows]))  # decode rows: float32 as without the choice
+            with prompt_step(True):
+                y = layer(x[:rows])
+                if kind == "q4_1":
+                    assert torch.equal(y, int8_tiles.linear(x[:rows], layer.int8_tiles, ops.INT8)), rows
+                    assert torch.equal(layer.silu_mul_forward(gate_up[:rows]), layer(ops.silu_mul(gate_up[:rows])))
+                else:
+                    assert torch.equal(y, plain(x[:rows])) and layer.silu_mul_forward(gate_up[:rows]) is None
+        ref = x @ w.dequantize().t()
+        with prompt_step(True):
+            assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()

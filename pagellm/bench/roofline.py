@@ -5,6 +5,8 @@ uses, plus its requests' KV, from memory, and any step has to do its matmul FLOP
 this machine measurably sustains (the faster of an fp32 and a bf16 GEMM: on a CPU with AVX-512 BF16 or
 AMX the bf16 one, 4.3-4.5x fp32 on the Zen 5 VM; a 256 MiB read or copy) gives the fastest a figure
 could be; measured/floor says how close an engine gets (1.0 = at the roofline, >= 0.5 = within 2x).
+Integer products are not measured: where an engine multiplies prompt rows on int8 (pagellm under auto on AVX2,
+vpmaddubsw at ~1.6-2x OpenBLAS's sgemm), its figure can reach or pass this float floor.
 
 The FLOP counts are the model's matmuls only (norms, rotary and sampling are a few percent at most), so
 the floors are optimistic, as a floor should be. torch is imported lazily: the llama.cpp peer child

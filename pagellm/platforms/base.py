@@ -44,7 +44,8 @@ class OpChoices:
     int8_many_rows: in a forward of prompt chunks (quant.linear_method.prompt_step, set by the model runner for
     prompts longer than packed_max_rows) layers with int8 tile-order blocks multiply on one-plane int8 activations
     (llama.cpp's per-32 rounding; cpu/quant_linear_int8_wide.cpp) at any row count, and their decode rows past the
-    few-row kernels on vdpbf16ps at any count; such layers keep no bf16 copy (AVX-512 BF16 + VNNI without AMX);
+    few-row kernels on vdpbf16ps at any count; such layers keep no bf16 copy (AVX-512 BF16 + VNNI without AMX); in
+    AVX2 builds (no bf16_gemm) q4_1 layers' prompt rows (cpu/quant_linear_int8_avx2.cpp), decode rows on float32;
     int8_head: the logits head (Linear.logits_head) with int8 tile-order blocks multiplies its rows past the few-row
     kernels on one-plane int8 activations, keeping neither a bf16 copy nor AMX tile-order blocks (the same CPUs)."""
 

@@ -349,7 +349,9 @@ class CpuPlatform(Platform):
                    if choices.int8_many_rows else f" products up to {choices.amx_max_rows} rows")
                 if choices.amx_max_rows else ""),
             "attention_backend": f"auto -> {self.attention_backend('auto', dtype, dtype)}",
-            "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))],
+            "prefill_attention": PREFILL_ATTENTION[self.bf16_prefill_attention(True, self.auto_kv_dtype(dtype))] + (
+                ", under --dtype auto the paged kernel a row at a time for prompts (int8 rows: chunking-invariant)"
+                if choices.int8_many_rows and not choices.bf16_gemm else ""),
             "kv_cache_dtype": f"auto -> {str(self.auto_kv_dtype(dtype)).removeprefix('torch.')} under --dtype auto",
             "kv_float16_native": str(self.kv_dtype_readable_natively(torch.float16)).lower(),
             # --kv-cache-dtype values the paged kernel (and so the one-call decoder) reads in place
