@@ -223,6 +223,20 @@ def no_llama_cpp(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(shadow.parent))
 
 
+def packed_layer(w, choices, logits_head: bool = False):
+    """A Linear over the blocks of PackedWeight w (and its float weight, as the loader gives both), configured with
+    OpChoices `choices` and finished as after loading (the copies and tile orders its method keeps)."""
+    from pagellm.model.layers.linear import Linear
+
+    layer = Linear(w.in_features, w.out_features)
+    layer.logits_head = logits_head
+    layer.configure(choices)
+    layer.load_shard(0, w.dequantize())
+    layer.add_packed_shard(0, w)
+    layer.process_after_loading()
+    return layer
+
+
 def agreeing_logprob_diffs(exact_outputs, fast_outputs, wide_margin: float) -> list[float]:
     """Chosen-token |logprob difference| of two greedy runs (CompletionOutputs with logprobs >= 2, pairwise)
     while their tokens agree; where they part, the exact run's top-1 must have led by less than wide_margin

@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 import torch
-from conftest import agreeing_logprob_diffs
+from conftest import agreeing_logprob_diffs, packed_layer
 
 from pagellm.kernels import int8_tiles
 from pagellm.model.layers.linear import Linear
@@ -128,13 +128,7 @@ def test_int8_many_rows_keep_no_bf16_copy_and_take_float32_rows(kind):
     w = (random_q4_1 if kind == "q4_1" else random_q8_0)(64, 96)
     choices = OpChoices(native_ops=True, packed_kernels=True, int8_activations=ops.INT8_FINE, bf16_gemm=True,
                         packed_max_rows=12, amx_max_rows=64, amx_on_tiles=False, int8_many_rows=True)
-    layers = {}
-    for many in (True, False):
-        layer = layers[many] = Linear(96, 64)
-        layer.configure(replace(choices, int8_many_rows=many))
-        layer.load_shard(0, w.dequantize())
-        layer.add_packed_shard(0, w)
-        layer.process_after_loading()
+    layers = {many: packed_layer(w, replace(choices, int8_many_rows=many)) for many in (True, False)}
     layer = layers[True]
     assert layer.weight_bf16 is None and layer.int8_tiles is not None and layers[False].weight_bf16 is not None
     x = torch.randn(100, 96)
@@ -200,12 +194,7 @@ def test_int8_logits_head_takes_one_plane_past_the_few_row_kernels():
                         packed_max_rows=12, amx_max_rows=64, amx_on_tiles=False, int8_many_rows=True, int8_head=True)
     layers = {}
     for name, head, on in (("head", True, True), ("layer", False, True), ("head off", True, False)):
-        layer = layers[name] = Linear(96, 64)
-        layer.logits_head = head
-        layer.configure(replace(choices, int8_head=on))
-        layer.load_shard(0, w.dequantize())
-        layer.add_packed_shard(0, w)
-        layer.process_after_loading()
+        layers[name] = packed_layer(w, replace(choices, int8_head=on), logits_head=head)
     head = layers["head"]
     assert head.weight_bf16 is None and head.amx_blocks is None and head.int8_tiles is not None
     assert layers["layer"].amx_blocks is not None and layers["head off"].amx_blocks is not None
@@ -242,11 +231,7 @@ def test_int8_all_rows_runs_many_row_products_on_the_int8_tiles(kind):
     for all_rows in (False, True):
         choices = OpChoices(native_ops=True, packed_kernels=True, int8_activations=ops.INT8_FINE,
                             int8_all_rows=all_rows)
-        layer = Linear(96, 64)
-        layer.configure(choices)
-        layer.load_shard(0, w.dequantize())
-        layer.add_packed_shard(0, w)
-        layer.process_after_loading()
+        layer = packed_layer(w, choices)
         assert isinstance(layer.quant_method, GGUFBlocksLinearMethod) and layer.int8_tiles is not None
         outs[all_rows] = layer(x)
         if all_rows:

@@ -215,7 +215,8 @@ def test_avx2_int8_many_rows_take_q4_1_prompt_rows_only():
     float32 paths everywhere (the kernel takes q4_1 only)."""
     from dataclasses import replace
 
-    from pagellm.model.layers.linear import Linear
+    from conftest import packed_layer
+
     from pagellm.platforms.base import OpChoices
     from pagellm.quant.linear_method import prompt_step
 
@@ -223,14 +224,7 @@ def test_avx2_int8_many_rows_take_q4_1_prompt_rows_only():
                         int8_many_rows=True)
     x, gate_up = torch.randn(100, 96), torch.randn(100, 192) * 3
     for kind, w in (("q4_1", random_q4_1(64, 96)), ("q8_0", random_q8_0(64, 96))):
-        layers = {}
-        for many in (True, False):
-            layer = layers[many] = Linear(96, 64)
-            layer.configure(replace(choices, int8_many_rows=many))
-            layer.load_shard(0, w.dequantize())
-            layer.add_packed_shard(0, w)
-            layer.process_after_loading()
-        layer, plain = layers[True], layers[False]
+        layer, plain = (packed_layer(w, replace(choices, int8_many_rows=many)) for many in (True, False))
         assert (layer.int8_tiles is not None) == (kind == "q4_1") and plain.int8_tiles is None
         for rows in (100, 5, 1):
             assert torch.equal(layer(x[:rows]), plain(x[:rows]))  # decode rows: float32 as without the choice
