@@ -238,3 +238,44 @@ def test_avx2_int8_many_rows_take_q4_1_prompt_rows_only():
         ref = x @ w.dequantize().t()
         with prompt_step(True):
             assert (layer(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+@needs_avx2
+def test_avx2_int8_prompt_rows_only_where_every_layer_takes_them(tmp_path):
+    """On AVX2 a model whose layers do not all take the int8 prompt rows (a Q4_K_M-like mix: Q6_K pieces become
+    q8_*_16 blocks, which stay float32) runs every layer on float32 (model_loader.int8_prompt_rows_in_every_layer_
+    or_none): the float32 layers' row-count-dependent rounding would reach the int8 ones, which magnify it. A model
+    of q4_1-packed blocks keeps them, and the runner marks its prompts."""
+    from test_gguf_block_types import write_tiny_gguf
+
+    from pagellm import LLM
+    from pagellm.model.layers.linear import Linear
+    from pagellm.model.loader import resolve_model_path
+
+    tokenizer = resolve_model_path(None)
+    for name, qtype, types, kept in (("mix", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}, False),
+                                     ("q4_0", "Q4_0", {"output": "Q8_0"}, True)):
+        path = write_tiny_gguf(str(tmp_path / f"tiny.{name}.gguf"), qtype, types=types)
+        llm = LLM(path, tokenizer=tokenizer, dtype="auto", kv_cache_memory="16MiB")
+        model = llm.engine.model
+        layers = [m for m in model.modules() if isinstance(m, Linear) and not m.logits_head]
+        assert {m.quant_method.choices.int8_many_rows for m in layers} == {kept}, name
+        assert llm.engine.runner._choices.int8_many_rows == kept
+        assert all((m.int8_tiles is not None) == kept for m in layers), name
+        assert len(llm.generate([list(range(5, 60))], use_tqdm=False)[0].outputs[0].token_ids) > 0
+
+
+def test_prompts_attend_through_the_paged_kernel_only_under_auto_without_bf16_products():
+    """Marked prompt chunks take the paged kernel at any row count (CpuPagedAttention._paged_prompts) only where
+    their rows are int8 without a bf16 prompt kernel (AVX2): an AVX-512 BF16 CPU with an fp8 cache, which that kernel
+    does not read, keeps SDPA (2-3x faster there: a review's probe, forty-first session)."""
+    from pagellm.model.attention import get_attention_backend
+    from pagellm.platforms import get_platform
+
+    platform = get_platform("cpu")
+    for kv in (torch.float16, torch.float8_e4m3fn):
+        if not platform.kv_dtype_readable_natively(kv):
+            continue
+        for auto in (True, False):
+            backend = get_attention_backend("auto", platform, kv, torch.float32, auto_dtype=auto)
+            assert backend.paged_prompts == (auto and not platform.bf16_dot_products), (kv, auto)

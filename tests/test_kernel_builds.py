@@ -158,7 +158,8 @@ print(json.dumps({"isa": p.isa, "describe": p.describe(), "bf16_gemm": choices.b
 @needs_compiler
 def test_isa_cap_makes_this_cpu_an_avx2_one(tiny_gguf_model, smollm_gguf_path, tmp_path):
     """PAGELLM_CPU_ISA=avx2: the platform sees AVX2 + FMA + F16C only, builds the kernels for haswell, decides as
-    on an AVX2-only CPU (float32 under auto: no bf16 GEMMs) and caps torch's oneDNN and ATen kernels to match."""
+    on an AVX2-only CPU (float32 under auto: no bf16 GEMMs, prompt rows of q4_1 products on one-plane int8) and caps
+    torch's oneDNN and ATen kernels to match."""
     if not _host_has("avx2"):
         pytest.skip("the host cannot run AVX2 code")
     env = _env(PAGELLM_CPU_ISA="avx2", PAGELLM_CACHE_DIR=str(tmp_path))
@@ -169,6 +170,7 @@ def test_isa_cap_makes_this_cpu_an_avx2_one(tiny_gguf_model, smollm_gguf_path, t
     assert set(got["isa"]) <= {"avx2", "fma", "f16c"} and "avx2" in got["isa"]
     assert got["describe"]["isa"].endswith("(capped by PAGELLM_CPU_ISA=avx2)")
     assert got["describe"]["kernels"].startswith("built for -march=haswell")
-    assert not got["bf16_gemm"] and got["describe"]["dtype"] == "auto -> float32"
+    assert not got["bf16_gemm"] and got["describe"]["dtype"] == (
+        "auto -> float32, one-plane int8 for prompt rows in q4_1 products (vpmaddubsw)")
     assert (got["onednn"], got["aten"]) == ("AVX2", "AVX2")
     assert got["tokens"] == 8

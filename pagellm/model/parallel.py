@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagellm.model.loader.model_loader import int8_prompt_rows_in_every_layer_or_none
 from pagellm.model_config import ModelConfig
 from pagellm.plan import kv_heads_per_rank
 
@@ -91,6 +92,8 @@ def shard_model(model: nn.Module, info: ParallelInfo) -> nn.Module:
     else:
         head.drop_weights()
     model.parallel = info
+    if tp > 1:
+        int8_prompt_rows_in_every_layer_or_none(model)
     return model
 
 

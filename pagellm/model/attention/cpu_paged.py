@@ -29,9 +29,10 @@ class CpuPagedAttention(AttentionBackend):
     name = "cpu_paged"
     max_native_queries = ops.PAGED_ATTENTION_MAX_QUERIES  # new rows per request up to which the kernel serves it
 
-    def __init__(self, bf16_prefill: str | None = None):
+    def __init__(self, bf16_prefill: str | None = None, paged_prompts: bool = False):
         self._reference = TorchSdpaReferenceAttention()
         self.bf16_prefill = bf16_prefill  # "sdpa", "kernel" or None (platforms/cpu.py bf16_prefill_attention)
+        self.paged_prompts = paged_prompts  # marked prompt chunks through this kernel (_paged_prompts)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         if q.shape[-1] % 8:  # the kernel works in 8-float vectors (the platform chose it for the dtypes)
@@ -98,8 +99,10 @@ class CpuPagedAttention(AttentionBackend):
         on the chunk's shape, and int8's rounding of the next products turns such float32-level differences into
         steps of 1/127 (a token's logprob moved ~0.01-0.07 nats between plain and speculative runs, whose prompts
         are chunked apart; 2 of 16 sequences parted: benchmarks/NOTES.md, forty-first session). Row by row, a
-        prompt's rows get the same bits however it was chunked."""
-        if self.bf16_prefill is not None:
+        prompt's rows get the same bits however it was chunked. Only where asked (`paged_prompts`: --dtype auto on a
+        CPU without bf16 products); an AVX-512 BF16 CPU whose cache the bf16 prompt kernel does not read (fp8) keeps
+        SDPA, 2-3x faster there."""
+        if not self.paged_prompts or self.bf16_prefill is not None:
             return None
         return meta.query_prompt
 

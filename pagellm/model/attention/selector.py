@@ -48,7 +48,8 @@ def get_attention_backend(name: str, platform, kv_dtype: torch.dtype = torch.flo
     module, cls = BACKENDS[name]
     backend = getattr(importlib.import_module(module), cls)
     if name == "cpu_paged":
-        return backend(bf16_prefill=platform.bf16_prefill_attention(auto_dtype, kv_dtype))
+        return backend(bf16_prefill=platform.bf16_prefill_attention(auto_dtype, kv_dtype),
+                       paged_prompts=auto_dtype and not getattr(platform, "bf16_dot_products", False))
     if name == "triton_paged":
         return backend(kv_dtype=kv_dtype)  # refuses what it cannot read (int8 rows) before any step
     return backend()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagellm.model.layers.custom_op import CustomOp
@@ -12,6 +14,8 @@ from pagellm.model.models.llama import MODEL_REGISTRY
 from pagellm.model_config import ModelConfig
 from pagellm.platforms import Platform
 from pagellm.quant import rtn
+
+logger = logging.getLogger(__name__)
 
 
 def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtype, device: torch.device | None = None,
@@ -60,10 +64,42 @@ def get_model(path: str, cfg: ModelConfig, platform: Platform, dtype: torch.dtyp
             emb = model.embed_tokens  # (the head's own float copy went in load_weights)
             emb.weight.data = torch.empty(0, emb.weight.shape[1], dtype=emb.weight.dtype)
             emb.tied_head = model.lm_head
+    int8_prompt_rows_in_every_layer_or_none(model)
     for m in model.modules():
         if isinstance(m, CustomOp):
             m.use(choices.op_impl)
     return model.eval()
+
+
+def int8_prompt_rows_in_every_layer_or_none(model: torch.nn.Module) -> None:
+    """On AVX2 (OpChoices.int8_many_rows without bf16 GEMMs), one-plane int8 prompt rows stay only where every layer a
+    prompt's rows pass through takes them. A layer of another kind (a GGUF mix's Q6_K pieces, q8_0, a float
+    checkpoint) picks its float32 path by the rows in the step (few-row kernels or OpenBLAS), and int8's rounding in
+    the layers after it turns those float32-level differences between two chunkings of a prompt into steps of 1/127
+    of a block's largest value: a Q4_K_M-like tiny model's prompt logprobs moved up to 0.09 nats with the chunk budget
+    under the AVX2 cap, 0.0014 with every layer on float32 (forty-first session), and speculation would part from
+    plain decoding. The logits head feeds no other layer. Otherwise every layer goes back to float32: the runner then
+    marks no prompts. Again after a tensor-parallel cut (parallel.shard_model), which the tile order may not take.
+    With bf16 GEMMs (AVX-512 BF16) the other layers' paths differ at bf16 level by the rows (two-plane int8 or bf16),
+    and int8 prompt rows in the q4_1 layers halve what a chunking moves there (0.22 against 0.66 nats, the same
+    probe): they stay."""
+    from dataclasses import replace
+
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    choices = layers[0].quant_method.choices if layers else None
+
+    def takes_int8(m) -> bool:  # only block-format methods have int8_many
+        return getattr(m.quant_method, "int8_many", lambda _: False)(m)
+
+    if choices is None or not choices.int8_many_rows or choices.bf16_gemm or all(
+            takes_int8(m) for m in layers if not m.logits_head):
+        return
+    logger.info("one-plane int8 prompt rows off: %d of %d layers take another path", sum(
+        not takes_int8(m) for m in layers if not m.logits_head), sum(not m.logits_head for m in layers))
+    off = replace(choices, int8_many_rows=False)
+    for m in layers:
+        m.quant_method.choices = off
+        m.int8_tiles = None  # kept for prompt rows alone
 
 
 def _check_float_checkpoint(path: str, cfg: ModelConfig, quantization: str) -> None:
