@@ -349,7 +349,8 @@ def test_a_prompts_last_row_alone_gets_the_same_logits_in_a_pruned_step(smollm_g
 
     if not get_platform("cpu").op_choices(torch.float32, auto=True).int8_many_rows:
         # elsewhere a one-row step's products take the few-row kernels and a bigger one the GEMM: other bits
-        pytest.skip("prompt chunks are marked only where prompts take one-plane int8 (AVX-512 BF16 + VNNI, no AMX)")
+        pytest.skip("prompt chunks are marked only where prompts take one-plane int8 (AVX-512 BF16 + VNNI without "
+                    "AMX, and AVX2)")
     llm = LLM(smollm_gguf_path, dtype="auto", enable_prefix_caching=True)
     short, other = list(range(2000, 2017)), list(range(5000, 5040))
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)

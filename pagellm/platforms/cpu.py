@@ -144,7 +144,7 @@ class CpuPlatform(Platform):
         native = dtype == torch.float32 and self.native_kernels
         blas = native and self.openblas_gemm
         bf16 = auto and dtype == torch.float32 and self.bf16_dot_products
-        from pagellm.kernels import ops
+        from pagellm.kernels import int8_tiles, ops
 
         if int8_activations is None:  # the platform's choice: under auto, the two-plane mode where it is built
             mode = ops.INT8_FINE if auto and self.fine_int8_activations else ops.INT8_OFF
@@ -156,7 +156,7 @@ class CpuPlatform(Platform):
         # AVX2 (no bf16, no VNNI two-plane mode): prompt rows on one-plane int8 over q4_1 blocks (vpmaddubsw,
         # cpu/quant_linear_int8_avx2.cpp) instead of OpenBLAS's sgemm; decode rows stay float32
         avx2_prompts = auto and native and not bf16 and int8_activations is None and mode == ops.INT8_OFF and \
-            self._avx2_int8_rows()
+            int8_tiles.avx2_rows()
         if not bf16:
             few_rows = None
         elif amx:
@@ -172,12 +172,6 @@ class CpuPlatform(Platform):
                          int8_all_rows=auto and native and not bf16 and mode == ops.INT8_FINE,
                          int8_many_rows=(one_plane or avx2_prompts) and _switch("PAGELLM_CPU_INT8_PREFILL") == "1",
                          int8_head=one_plane and _switch("PAGELLM_CPU_INT8_HEAD") == "1")
-
-    @staticmethod
-    def _avx2_int8_rows() -> bool:
-        from pagellm.kernels import int8_tiles
-
-        return int8_tiles.avx2_rows()
 
     @property
     def amx_tiles(self) -> bool:

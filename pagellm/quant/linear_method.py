@@ -157,6 +157,10 @@ class LinearMethod:
     def int8_activations(self) -> int:
         return 0
 
+    def int8_many(self, layer: nn.Module) -> bool:
+        """Whether this layer's prompt rows run on one-plane int8 (block formats only: GGUFBlocksLinearMethod)."""
+        return False
+
     def silu_mul_apply(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
         """This layer's product of silu(gate) * up straight from the gate/up output, where a kernel fuses the
         two (else None: the caller runs the activation, then the product)."""
@@ -206,13 +210,13 @@ class GGUFBlocksLinearMethod(LinearMethod):
         """The blocks in AMX tile order where the platform chose AMX products and the kernel takes the kind, and
         in the int8 tile order where few-row products run on int8 activations and the build has that path (every
         row then the same bits whatever the rows in the step: int8_tiles)."""
-        use = self.int8_activations and layer.packed is not None and int8_tiles.packs(layer.packed) and \
-            self.reads_blocks(layer.packed) and int8_tiles.available()
+        packed = layer.packed
+        blocks = packed is not None and int8_tiles.packs(packed) and self.reads_blocks(packed)
+        few_rows = self.int8_activations and int8_tiles.available()
         # an AVX2 build's prompt rows (int8_many_rows without bf16): q4_1 only, int8 activations off elsewhere
-        use = use or (self.choices.int8_many_rows and not self.choices.bf16_gemm and layer.packed is not None and
-                      layer.packed.kind == "q4_1" and int8_tiles.packs(layer.packed) and
-                      self.reads_blocks(layer.packed) and int8_tiles.avx2_rows())
-        layer.int8_tiles = int8_tiles.pack(layer.packed) if use else None
+        avx2_prompts = self.choices.int8_many_rows and not self.choices.bf16_gemm and int8_tiles.avx2_rows()
+        use = blocks and (few_rows or (avx2_prompts and packed.kind == "q4_1"))
+        layer.int8_tiles = int8_tiles.pack(packed) if use else None
         use = self.choices.amx_max_rows and layer.packed is not None and amx.packs(layer.packed)
         layer.amx_blocks = amx.pack(layer.packed) if use and not self.int8_head(layer) else None
 

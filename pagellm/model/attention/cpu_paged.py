@@ -44,9 +44,12 @@ class CpuPagedAttention(AttentionBackend):
         # however many drafts it has; a chunk of a prompt takes the bf16 prompt kernel at any row count, so that
         # its rows get the same bits however the prompt was chunked)
         prompt, paged = self._prompt_marks(meta), self._paged_prompts(meta)
+
+        def many_rows(i: int) -> bool:
+            return starts[i + 1] - starts[i] - (drafts[i] if drafts else 0) > self.max_native_queries
+
         long = [i for i in range(meta.num_reqs)
-                if (starts[i + 1] - starts[i] - (drafts[i] if drafts else 0) > self.max_native_queries
-                    and not (paged is not None and paged[i])) or (prompt is not None and prompt[i])]
+                if (prompt and prompt[i]) or (many_rows(i) and not (paged and paged[i]))]
         if not long:
             return ops.paged_attention(q, kv_cache, meta.block_tables, meta.row_seq, meta.positions,
                                        meta.sliding_window, scale)

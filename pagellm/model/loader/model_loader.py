@@ -87,15 +87,13 @@ def int8_prompt_rows_in_every_layer_or_none(model: torch.nn.Module) -> None:
 
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     choices = layers[0].quant_method.choices if layers else None
-
-    def takes_int8(m) -> bool:  # only block-format methods have int8_many
-        return getattr(m.quant_method, "int8_many", lambda _: False)(m)
-
-    if choices is None or not choices.int8_many_rows or choices.bf16_gemm or all(
-            takes_int8(m) for m in layers if not m.logits_head):
+    if choices is None or not choices.int8_many_rows or choices.bf16_gemm:
         return
-    logger.info("one-plane int8 prompt rows off: %d of %d layers take another path", sum(
-        not takes_int8(m) for m in layers if not m.logits_head), sum(not m.logits_head for m in layers))
+    others = sum(not m.quant_method.int8_many(m) for m in layers if not m.logits_head)
+    if not others:
+        return
+    logger.info("one-plane int8 prompt rows off: %d of %d layers take another path", others,
+                sum(not m.logits_head for m in layers))
     off = replace(choices, int8_many_rows=False)
     for m in layers:
         m.quant_method.choices = off
