@@ -1,6 +1,6 @@
 """n-gram speculation at one batch size, plain and speculative engines alternating: each run's decode tok/s and
 their ratio, the drafts verified, and the speculation controller's state after it (what it kept, its exploration
-period, the step costs it measured by row count). The grounded task of `pagellm bench latency`, 200 tokens, k = 4.
+period, the step costs it estimates by row count). The grounded task of `pagellm bench latency`, 200 tokens, k = 4.
 The fortieth session's batch-4 figures in benchmarks/NOTES.md come from:
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python benchmarks/spec_controller_state.py 4 8
@@ -33,7 +33,8 @@ def main() -> None:
               f"{res['spec'][-1] / res['plain'][-1]:.3f}; steps {llm.engine.stats.steps - steps0}, drafts "
               f"{st.num_draft_tokens - d0}, accepted {st.num_accepted_tokens - a0}, request-steps with drafts "
               f"{st.num_spec_steps - s0}; kept {ctl.kept}, exploration period {ctl.every}", flush=True)
-        print("   step cost ms by rows", {r: round(v * 1000, 2) for r, v in sorted(ctl.step_cost.items())}, flush=True)
+        costs = {r: round(ctl.cost(r) * 1000, 2) for r in sorted(ctl.step_cost)}
+        print("   step cost ms by rows (at the speed now)", costs, f"speed {ctl.speed:.3f}", flush=True)
     print(f"median ratio {statistics.median(res['spec']) / statistics.median(res['plain']):.3f}")
 
 

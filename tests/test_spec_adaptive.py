@@ -7,7 +7,14 @@ import random
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.spec_decode.adaptive import EXPLORE_EVERY, MAX_EXPLORE_EVERY, MIN_GAIN, SpeculationController
+from pagellm.spec_decode.adaptive import (
+    COMPARED_WITHIN,
+    EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
+    MIN_GAIN,
+    OUTLIER,
+    SpeculationController,
+)
 
 # pure Python or a tiny model: seconds here; a minute means something hangs
 pytestmark = pytest.mark.timeout(60)
@@ -56,15 +63,51 @@ def test_plans_near_break_even_keep_no_drafts():
     """A plan must promise MIN_GAIN more tokens per second than the plain step: the estimates err both ways,
     and a plan kept wrongly loses time while one dropped wrongly only forgoes a gain too small to measure."""
     assert 0 < MIN_GAIN < 0.5
-    ctl = warmed({4: 1.0, 8: 1.75})  # a verification row costs 0.19 of a plain 4-row step
+    assert 0.1 < MIN_GAIN < 0.2
+    ctl = warmed({4: 1.0, 8: 1.6})  # a verification row costs 0.15 of a plain 4-row step
     ids = ["a", "b", "c", "d"]
     for rid in ids:
-        ctl.acceptance[rid] = [[8.0, 10.0]]  # first drafts accepted 80% of the time: +1% to +2.9%
+        ctl.acceptance[rid] = [[8.0, 10.0]]  # first drafts accepted 80% of the time: one draft each +12.5%
     assert ctl.plan(dict.fromkeys(ids, 1), batch_rows=4) == dict.fromkeys(ids, 0)
     assert ctl.kept[4] == 0
     for rid in ids:
-        ctl.acceptance[rid] = [[9.5, 10.0]]  # 95%: one draft each +11.4%
+        ctl.acceptance[rid] = [[9.5, 10.0]]  # 95%: +21.9%
     assert ctl.plan(dict.fromkeys(ids, 1), batch_rows=4) == dict.fromkeys(ids, 1)
+
+
+def test_a_slow_minute_measured_at_one_row_count_moves_every_row_counts_estimate():
+    """The machine's speed is common to every step: plain steps measured in a slow minute must not make the
+    verification rows measured before it look cheap (one average per row count kept drafts there)."""
+    ctl = warmed({4: 0.0065, 8: 0.0104})  # the Zen 4 VM's batch-4 costs
+    ids = ["a", "b", "c", "d"]
+    for rid in ids:
+        ctl.acceptance[rid] = [[8.0, 10.0]]  # one draft each: +12.5% at these costs, below MIN_GAIN
+    assert ctl.plan(dict.fromkeys(ids, 1), batch_rows=4) == dict.fromkeys(ids, 0)
+    for _ in range(COMPARED_WITHIN):  # plain steps, then a slow minute
+        ctl.observe_step(4, 0.0065)
+    for _ in range(10):
+        ctl.observe_step(4, 1.4 * 0.0065)
+    assert ctl.step_cost == {4: 0.0065, 8: 0.0104}  # steps of one row count moved the speed alone
+    assert ctl.cost(4) == pytest.approx(1.4 * 0.0065, rel=0.05)
+    assert ctl.cost(8) == pytest.approx(1.4 * 0.0104, rel=0.1)  # never measured in the slow minute
+    assert ctl.plan(dict.fromkeys(ids, 1), batch_rows=4) == dict.fromkeys(ids, 0)
+    # and where the speed does not explain a row count's time, its shape moves: 8 rows got cheaper
+    for _ in range(60):
+        ctl.observe_step(8, 1.4 * 0.0080)
+        ctl.observe_step(4, 1.4 * 0.0065)
+    assert ctl.cost(8) / ctl.cost(4) == pytest.approx(0.0080 / 0.0065, rel=0.05)
+    assert ctl.plan(dict.fromkeys(ids, 1), batch_rows=4) == dict.fromkeys(ids, 1)
+
+
+def test_one_slow_step_moves_the_estimates_as_one_step_of_outlier_times_at_most():
+    ctl = warmed({4: 0.0065, 8: 0.0104})
+    ctl.observe_step(4, 5 * 0.0065)  # stolen time
+    assert ctl.cost(4) <= OUTLIER * 0.0065 and ctl.cost(8) <= OUTLIER * 0.0104
+    # a step that is no outlier moves the estimate part of the way
+    ctl = warmed({4: 0.0065})
+    ctl.observe_step(12, 0.016)
+    ctl.observe_step(12, 0.014)
+    assert 0.014 < ctl.cost(12) < 0.016
 
 
 def test_acceptance_is_measured_per_draft_position():

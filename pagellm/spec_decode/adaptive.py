@@ -9,9 +9,17 @@ step is scheduled. While a batch size keeps nothing, the proposer itself is skip
 search costs time too). Greedy output is unaffected: drafts never change what is generated, only how
 many tokens a step verifies.
 
-Both sides are measured online: t(R) as a moving average of whole decode-only steps per row count (row
-counts never seen are interpolated, or extrapolated from the per-row slope seen so far), and for each
-request and draft position the smoothed rate at which that draft is accepted given the ones before were.
+Both sides are measured online. t(R) is the machine's speed now times the shape of the cost curve at R rows,
+both from whole decode-only steps (row counts never seen are interpolated, or extrapolated from the per-row
+slope seen so far). The speed follows what moves every step alike, a shared machine's minute or the context
+growing, so a row count measured a while ago is compared with one measured now at the same speed. One moving
+average per row count did not: on the Zen 4 VM a plain 4-row step measured in a slow moment read 9.1 ms
+against 6.6 later, and a run that kept drafts against it read 0.86x. (benchmarks/spec_controller_drift_sim.py
+simulates that machine's noise; there the median speed-up at batch 4 went from 0.971x to 0.994x.) A step
+beyond OUTLIER times its estimate counts as OUTLIER times: one step in 50 takes 1.5-3x there. Acceptance is
+measured per request and draft position: the smoothed rate at which a draft is accepted where the ones before
+it were.
+
 A batch size's first step runs plain and its next one with every draft (so both ends are measured);
 after that, one step in EXPLORE_EVERY drafts everything proposed and another drafts nothing, so the
 estimates follow the text and the context length. That bounds the cost of a wrong estimate to about one
@@ -24,13 +32,18 @@ every 16th step alone lost 6% at batch 4; with the back-off and all drafts still
 
 from __future__ import annotations
 
+import collections
+
 # (accepted, offered) pseudo-counts for the first draft position and the later ones: a new request starts at
 # 0.5 for its first draft and 2/3 for each next one given the one before was accepted (n-gram acceptance
 # comes in runs: once a copy is under way, the next draft is likelier to be right).
 FIRST_PRIOR = (1.0, 2.0)
 NEXT_PRIOR = (2.0, 3.0)
 DECAY = 0.9  # per observation: a request's acceptance follows the text it is writing now
-COST_EMA = 0.2  # weight of a new step time in its row count's average
+SPEED_EMA = 0.3  # weight of a step's (log) time in the machine's speed factor
+COST_EMA = 0.2  # weight of what the speed leaves of a step's (log) time in its row count's shape
+OUTLIER = 1.5  # a step beyond this factor of its estimate (either way) counts as this factor
+COMPARED_WITHIN = 4  # a row count's shape moves only where another row count was measured in this many steps
 EXPLORE_EVERY = 16
 MAX_EXPLORE_EVERY = 128
 RECHECK_EVERY = 4  # while a batch size keeps no drafts, ask the proposer on one step in this many
@@ -40,14 +53,18 @@ RECHECK_EVERY = 4  # while a batch size keeps no drafts, ask the proposer on one
 # time, one dropped wrongly only forgoes a gain that was too small to measure. Where verification rows cost
 # nearly a plain row each (a 2-core Zen 4 VM: one decode step's products 5.58 ms at 4 rows, 9.68 at 8,
 # benchmarks/microbench_int8_tiles.py), plans near break-even were kept at batch 4 and measured 0.93-0.99x
-# (benchmarks/results/zen4/s20_spec_auto_ngram_grounded*).
-MIN_GAIN = 0.1
+# (benchmarks/results/zen4/s20_spec_auto_ngram_grounded*). In the drift simulation
+# (benchmarks/spec_controller_drift_sim.py) 0.15 lost least at batch 4 and 16 and kept batch 1's gain.
+MIN_GAIN = 0.15
 
 
 class SpeculationController:
     def __init__(self, explore_every: int = EXPLORE_EVERY):
         self.explore_every = explore_every
-        self.step_cost: dict[int, float] = {}  # rows -> seconds (moving average, decode-only steps)
+        # rows -> seconds at speed 1 (decode-only steps): the shape of the cost curve, which decides
+        self.step_cost: dict[int, float] = {}
+        self.speed = 1.0  # the machine's speed now against the shape: what time and context do to every step
+        self.recent_rows: collections.deque[int] = collections.deque(maxlen=COMPARED_WITHIN)
         # request id -> per draft position j: (accepted, offered) counts, decayed; position j is offered when
         # drafts 1..j-1 were accepted
         self.acceptance: dict[str, list[list[float]]] = {}
@@ -57,9 +74,19 @@ class SpeculationController:
 
     # ---- measurements -------------------------------------------------------------------------
     def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode-only step (every request computed its next token, plus drafts) of `rows` rows."""
-        old = self.step_cost.get(rows)
-        self.step_cost[rows] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        """A decode-only step (every request computed its next token, plus drafts) of `rows` rows. Its time
+        divides into the machine's speed now, common to every row count, and the row count's shape: what one
+        step measures moves the speed first, and the shape only by what the speed does not explain."""
+        shape = self.step_cost.get(rows)
+        compared = any(r != rows for r in self.recent_rows)  # the speed now rests on other row counts too
+        self.recent_rows.append(rows)
+        if shape is None:
+            self.step_cost[rows] = seconds / self.speed
+            return
+        ratio = min(max(seconds / (shape * self.speed), 1 / OUTLIER), OUTLIER)
+        self.speed *= ratio ** SPEED_EMA
+        if compared:  # (steps of one row count alone say nothing of the shape: a slow minute is the speed)
+            self.step_cost[rows] = shape * (ratio ** (1 - SPEED_EMA)) ** COST_EMA
 
     def observe_request(self, request_id: str, drafted: int, accepted: int) -> None:
         counts = self.acceptance.setdefault(request_id, [])
@@ -89,7 +116,11 @@ class SpeculationController:
         return values
 
     def cost(self, rows: int) -> float | None:
-        """Estimated seconds for a decode step of `rows` rows; None before any step was measured."""
+        """Estimated seconds for a decode step of `rows` rows now; None before any step was measured."""
+        shape = self._shape(rows)
+        return None if shape is None else shape * self.speed
+
+    def _shape(self, rows: int) -> float | None:
         known = self.step_cost
         if rows in known:
             return known[rows]
