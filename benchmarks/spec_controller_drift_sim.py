@@ -4,13 +4,16 @@ plain decoding on the same machine: the speed-up it reaches, and how often it lo
 Every run decodes a batch of requests to a fixed length twice on the same simulated clock, once with the
 controller deciding which drafts to verify and once with none. A step of R rows takes COSTS_MS(R) (the step costs
 the Zen 4 VM's controller measured at batch 4 in the fortieth session, past 20 rows +0.75 ms a row) times the
-machine's speed at that moment: a slow AR(1) wander (lag-1 autocorrelation of the log step time ~0.6, as
-`benchmarks/NOTES.md` records for real batch-4 steps there), steps that take 1.5-3x (1 in 50), and the cost of
-attention growing with the context (+17% over 300 tokens). A request alternates between copying (a draft is
+machine's speed at that moment: a slow AR(1) wander, steps that take 1.5-3x (1 in 50), and the cost of
+attention growing with the context (+17% over 300 tokens). What the forty-second session measured of 1,789 real
+plain batch-4 steps there (benchmarks/NOTES.md): lag-1 autocorrelation of the log step time 0.64 (0.40 at lag
+20, 0.08 at lag 100), the median of 50-step blocks 5.9-7.2 ms rising with the context, one block 10.1 ms.
+It models every step of a moment as slowed alike and the context as a common factor, which is the
+controller's own model: a machine where they are not would read worse. A request alternates between copying (a draft is
 right 95% of the time) and writing (10%), the n-gram proposer offering drafts while it copies and for 30% of
 its writing steps; this mimics the grounded task, where ~70% of drafts are accepted.
 
-    .venv/bin/python benchmarks/spec_controller_drift_sim.py [RUNS]   # pure Python, ~1 min for 200 runs
+    .venv/bin/python benchmarks/spec_controller_drift_sim.py [RUNS]   # pure Python, seconds
 """
 
 import math

@@ -2,6 +2,7 @@
 are worth the measured cost of the rows that verify them; output never changes."""
 
 import itertools
+import math
 import random
 
 import pytest
@@ -62,7 +63,6 @@ def test_per_request_acceptance_decides_who_drafts():
 def test_plans_near_break_even_keep_no_drafts():
     """A plan must promise MIN_GAIN more tokens per second than the plain step: the estimates err both ways,
     and a plan kept wrongly loses time while one dropped wrongly only forgoes a gain too small to measure."""
-    assert 0 < MIN_GAIN < 0.5
     assert 0.1 < MIN_GAIN < 0.2
     ctl = warmed({4: 1.0, 8: 1.6})  # a verification row costs 0.15 of a plain 4-row step
     ids = ["a", "b", "c", "d"]
@@ -87,7 +87,7 @@ def test_a_slow_minute_measured_at_one_row_count_moves_every_row_counts_estimate
         ctl.observe_step(4, 0.0065)
     for _ in range(10):
         ctl.observe_step(4, 1.4 * 0.0065)
-    assert ctl.step_cost == {4: 0.0065, 8: 0.0104}  # steps of one row count moved the speed alone
+    assert ctl.step_cost == pytest.approx({4: 0.0065, 8: 0.0104}, rel=1e-9)  # they moved the speed alone
     assert ctl.cost(4) == pytest.approx(1.4 * 0.0065, rel=0.05)
     assert ctl.cost(8) == pytest.approx(1.4 * 0.0104, rel=0.1)  # never measured in the slow minute
     assert ctl.plan(dict.fromkeys(ids, 1), batch_rows=4) == dict.fromkeys(ids, 0)
@@ -108,6 +108,28 @@ def test_one_slow_step_moves_the_estimates_as_one_step_of_outlier_times_at_most(
     ctl.observe_step(12, 0.016)
     ctl.observe_step(12, 0.014)
     assert 0.014 < ctl.cost(12) < 0.016
+    # and a clock that did not move, or NaN, measures nothing
+    before = (dict(ctl.step_cost), ctl.speed)
+    for bad in (0.0, -0.001, float("nan"), float("inf")):
+        ctl.observe_step(12, bad)
+        ctl.observe_step(16, bad)
+    assert (ctl.step_cost, ctl.speed) == before
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_row_count_not_measured_for_minutes_keeps_its_estimate_on_a_steady_machine(seed):
+    """Speed and shape split a step's time only up to a common factor: shapes that moved with every step's noise
+    dragged the estimate of a row count not measured since along with them (a review's probe: x0.6-x1.5 after
+    30,000 steps). Batch 4 after its back-off: plain steps, one-draft probes every 16th, 20 rows measured once."""
+    rng = random.Random(seed)
+    truth = {4: 0.0065, 8: 0.0104, 20: 0.0223}
+    ctl = warmed({4: truth[4], 20: truth[20]})
+    for i in range(30_000):
+        rows = 8 if i % 16 == 0 else 4
+        spike = rng.uniform(1.5, 3) if rng.random() < 0.02 else 1  # the Zen 4 VM's stolen time
+        ctl.observe_step(rows, truth[rows] * spike * math.exp(rng.gauss(0, 0.03)))
+    assert ctl.cost(20) / ctl.cost(4) == pytest.approx(truth[20] / truth[4], rel=0.12)
+    assert ctl.cost(8) / ctl.cost(4) == pytest.approx(truth[8] / truth[4], rel=0.05)
 
 
 def test_acceptance_is_measured_per_draft_position():

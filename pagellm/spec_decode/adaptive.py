@@ -33,6 +33,7 @@ every 16th step alone lost 6% at batch 4; with the back-off and all drafts still
 from __future__ import annotations
 
 import collections
+import math
 
 # (accepted, offered) pseudo-counts for the first draft position and the later ones: a new request starts at
 # 0.5 for its first draft and 2/3 for each next one given the one before was accepted (n-gram acceptance
@@ -41,7 +42,11 @@ FIRST_PRIOR = (1.0, 2.0)
 NEXT_PRIOR = (2.0, 3.0)
 DECAY = 0.9  # per observation: a request's acceptance follows the text it is writing now
 SPEED_EMA = 0.3  # weight of a step's (log) time in the machine's speed factor
-COST_EMA = 0.2  # weight of what the speed leaves of a step's (log) time in its row count's shape
+# A row count's shape is the mean of what the speed left of its compared steps' (log) times, the later ones
+# weighted at least SHAPE_GAIN: a mean settles where a fixed weight would wander (the split into speed and shape
+# is free up to a common factor, so a shape that moved with every step's noise took every row count not measured
+# since along: x0.6-x1.5 after 3 simulated minutes, a review's probe).
+SHAPE_GAIN = 0.02
 OUTLIER = 1.5  # a step beyond this factor of its estimate (either way) counts as this factor
 COMPARED_WITHIN = 4  # a row count's shape moves only where another row count was measured in this many steps
 EXPLORE_EVERY = 16
@@ -61,8 +66,10 @@ MIN_GAIN = 0.15
 class SpeculationController:
     def __init__(self, explore_every: int = EXPLORE_EVERY):
         self.explore_every = explore_every
-        # rows -> seconds at speed 1 (decode-only steps): the shape of the cost curve, which decides
+        # rows -> the cost curve's shape (decode-only steps; seconds at the speed of the first step measured,
+        # times a common factor), which decides: only ratios of costs enter a plan
         self.step_cost: dict[int, float] = {}
+        self.step_count: dict[int, int] = {}  # rows -> its first step and compared steps, measured
         self.speed = 1.0  # the machine's speed now against the shape: what time and context do to every step
         self.recent_rows: collections.deque[int] = collections.deque(maxlen=COMPARED_WITHIN)
         # request id -> per draft position j: (accepted, offered) counts, decayed; position j is offered when
@@ -77,16 +84,20 @@ class SpeculationController:
         """A decode-only step (every request computed its next token, plus drafts) of `rows` rows. Its time
         divides into the machine's speed now, common to every row count, and the row count's shape: what one
         step measures moves the speed first, and the shape only by what the speed does not explain."""
+        if not 0 < seconds < math.inf:  # (a clock that did not move, or NaN: nothing measured)
+            return
         shape = self.step_cost.get(rows)
         compared = any(r != rows for r in self.recent_rows)  # the speed now rests on other row counts too
         self.recent_rows.append(rows)
         if shape is None:
             self.step_cost[rows] = seconds / self.speed
+            self.step_count[rows] = 1
             return
         ratio = min(max(seconds / (shape * self.speed), 1 / OUTLIER), OUTLIER)
         self.speed *= ratio ** SPEED_EMA
         if compared:  # (steps of one row count alone say nothing of the shape: a slow minute is the speed)
-            self.step_cost[rows] = shape * (ratio ** (1 - SPEED_EMA)) ** COST_EMA
+            n = self.step_count[rows] = self.step_count[rows] + 1
+            self.step_cost[rows] = shape * (ratio ** (1 - SPEED_EMA)) ** max(1 / n, SHAPE_GAIN)
 
     def observe_request(self, request_id: str, drafted: int, accepted: int) -> None:
         counts = self.acceptance.setdefault(request_id, [])
@@ -137,7 +148,7 @@ class SpeculationController:
         return max(known[above] - (above - rows) * (slope or 0.0), 1e-9)
 
     def _slope(self) -> float | None:
-        """Seconds per extra row, from the two most distant measured row counts."""
+        """Shape per extra row (the cost curve's units), from the two most distant measured row counts."""
         if len(self.step_cost) < 2:
             return None
         lo, hi = min(self.step_cost), max(self.step_cost)
