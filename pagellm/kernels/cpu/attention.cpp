@@ -292,6 +292,7 @@ void attend_head(const AttentionArgs<T>& a, int t, int head, float* scores, Toke
 }  // namespace
 
 #include "attention_grouped.h"
+#include "attention_grouped8.h"
 #include "attention_spans.h"
 
 namespace {
@@ -308,6 +309,8 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
     a.whole_tokens = by_row && max_keys * a.stride * (int64_t)sizeof(T) * 2 <= WHOLE_ROW_BYTES;
 #ifdef PAGELLM_WIDE_ATTENTION
     const bool grouped = by_row && groups_heads(a);  // a row's heads of one KV head share each key's loads
+#elif defined(PAGELLM_SIMD_ATTENTION)
+    const bool grouped = by_row && groups_heads8(a);  // the same, 8 lanes and up to 3 heads at a time
 #else
     const bool grouped = false;
 #endif
@@ -343,6 +346,10 @@ void paged_attention(AttentionArgs<T> a, int T_, int nthreads) {
                     attend_row_grouped(a, t, scores.data(), stride, next);
                 });
             }
+#elif defined(PAGELLM_SIMD_ATTENTION)
+            for_each_row(a, T_, next_row, [&](int t, TokenStream<T>* next) {
+                attend_row_grouped8(a, t, scores.data(), stride, next);
+            });
 #endif
         } else if (by_row) {
             for_each_row(a, T_, next_row, [&](int t, TokenStream<T>* next) {
