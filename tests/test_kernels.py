@@ -194,15 +194,16 @@ def test_many_row_decode_walks_match_reference(block_size, kv_heads, heads, wind
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, F16_KV, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("kv_heads,heads,d", [(3, 9, 64), (1, 5, 128), (2, 16, 64), (2, 8, 64)])
-def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype, kv_heads, heads, d):
+@pytest.mark.parametrize("window", [None, 37])
+def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype, kv_heads, heads, d, window):
     """A row's output is bit-identical whether it is attended alone (split by head across threads) or
     among many rows (split by row; AVX-512 builds then take up to 4 query heads of a KV head at once,
     attention_grouped.h: groups of 3, 4 + 1, 4 + 4 and 4 here; AVX2 builds up to 3, attention_grouped8.h:
     3, 3 + 2, 3 + 3 + 2 and 2 + 2), whatever its length mod 4 (keys are scored four at a time): what keeps
     speculative verification rows equal to one-row decoding. int8 rows (the default under --dtype auto on
     AVX-512 BF16) carry their scale, applied per key on both paths, as e4m3's read scale is."""
-    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and d == 128:
-        pytest.skip("the fp8 formats take the same walks: D = 64 covers them")
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and (d == 128 or window):
+        pytest.skip("the fp8 formats take the same walks: D = 64 without a window covers them")
     torch.manual_seed(1)
     block_size, num_blocks = 16, 12
     values = torch.randn(2, num_blocks, block_size, kv_heads, d)
@@ -214,9 +215,9 @@ def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype, kv_head
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # 8 rows >= 2 x threads: split by row; 1 row: split by head
-        together = ops.paged_attention(q, cache, table, row_seq, positions, None, 0.125)
+        together = ops.paged_attention(q, cache, table, row_seq, positions, window, 0.125)
         for i in range(len(positions)):
-            alone = ops.paged_attention(q[i:i + 1], cache, table, row_seq[:1], positions[i:i + 1], None, 0.125)
+            alone = ops.paged_attention(q[i:i + 1], cache, table, row_seq[:1], positions[i:i + 1], window, 0.125)
             assert torch.equal(alone[0], together[i])
     finally:
         torch.set_num_threads(threads)
@@ -225,7 +226,8 @@ def test_paged_attention_row_does_not_depend_on_its_neighbours(kv_dtype, kv_head
     vals = stored[1][table[0]].reshape(-1, kv_heads, d)[:151]
     i, p = 6, 101
     g = heads // kv_heads
-    k, v = keys[:p + 1].repeat_interleave(g, dim=1), vals[:p + 1].repeat_interleave(g, dim=1)
+    lo = 0 if window is None else max(0, p - window + 1)  # a sliding window: the last `window` keys
+    k, v = keys[lo:p + 1].repeat_interleave(g, dim=1), vals[lo:p + 1].repeat_interleave(g, dim=1)
     want = torch.einsum("hk,khd->hd", torch.softmax(torch.einsum("hd,khd->hk", q[i], k) * 0.125, -1), v)
     # int8 keys on VNNI: the query's rounding (~1e-4 of its largest element) moves outputs by up to 8.3e-5 here
     tol = 2e-4 if kv_dtype == torch.int8 and ops.int8_keys_on_vnni() else 1e-5
