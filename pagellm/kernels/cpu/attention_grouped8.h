@@ -2,9 +2,9 @@
 // key and value row loaded and converted once for the group instead of once per query head. Every (row, head,
 // key) gets exactly the operations of attention.cpp's per-head path (dot4's products and reduction,
 // weighted_values' accumulation in key order, the same softmax), so the two paths give the same bits and a
-// row's results do not depend on which one ran. 3 heads x 4 keys are 12 accumulators, with the 4 key chunks
-// the 16 ymm registers (the queries come from memory). D of 64 or 128; included by attention.cpp after its
-// helpers.
+// row's results do not depend on which one ran. 3 heads x 4 keys (or 4 value chunks) are 12 accumulators of the 16
+// ymm registers, so one converted key or value chunk is live at a time. D of 64 or 128; included by attention.cpp
+// after its helpers.
 #pragma once
 
 #if defined(PAGELLM_SIMD_ATTENTION) && !defined(PAGELLM_WIDE_ATTENTION)
@@ -19,19 +19,19 @@ inline void group_scores8(const AttentionArgs<T>& a, const HeadView& h, const T*
     int64_t start = 0;
     auto flush = [&]() {
         for (int i = filled; i < 4; ++i) k[i] = k[filled - 1];  // padding: recomputed, not stored
+        // one key chunk live at a time: 12 accumulators + 1 chunk, the queries' chunks from L1
         __m256 acc[NG][4];
-        {
-            __m256 kv[4];
-            for (int j = 0; j < 4; ++j) kv[j] = load8(k[j]);
+        for (int j = 0; j < 4; ++j) {
+            const __m256 kv = load8(k[j]);
             for (int g = 0; g < NG; ++g)  // the first chunk a product, as dot4 (the same bits)
-                for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q[g]), kv[j]);
+                acc[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q[g]), kv);
         }
 #pragma GCC unroll 4
         for (int d = 8; d < D; d += 8) {
-            __m256 kv[4];
-            for (int j = 0; j < 4; ++j) kv[j] = load8(k[j] + d);
-            for (int g = 0; g < NG; ++g)
-                for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv[j], acc[g][j]);
+            for (int j = 0; j < 4; ++j) {
+                const __m256 kv = load8(k[j] + d);
+                for (int g = 0; g < NG; ++g) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv, acc[g][j]);
+            }
         }
         __m128 row_scales = _mm_set1_ps(1.f);  // int8: score = (k_scale * (q . k_int)) * softmax scale
         if constexpr (std::is_same_v<T, int8_t>)
@@ -64,11 +64,11 @@ inline void group_values8(const AttentionArgs<T>& a, const HeadView& h, const T*
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
     for_each_key(a, h.table, h.first, h.pos, [&](int64_t i, int64_t off) {
         const T* v = values + off + d0;
-        __m256 vc[4];
-        for (int c = 0; c < 4; ++c) vc[c] = load8(v + 8 * c);
-        for (int g = 0; g < NG; ++g) {
-            const __m256 w = _mm256_set1_ps(scaled_weight(p[g][i], v, a.D, d0));  // weighted_values' weight
-            for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_fmadd_ps(w, vc[c], acc[g][c]);
+        __m256 w[NG];  // weighted_values' weight; then one value chunk live at a time (12 + 3 + 1 registers)
+        for (int g = 0; g < NG; ++g) w[g] = _mm256_set1_ps(scaled_weight(p[g][i], v, a.D, d0));
+        for (int c = 0; c < 4; ++c) {
+            const __m256 vc = load8(v + 8 * c);
+            for (int g = 0; g < NG; ++g) acc[g][c] = _mm256_fmadd_ps(w[g], vc, acc[g][c]);
         }
     }, ahead);
     for (int g = 0; g < NG; ++g)
