@@ -4,24 +4,28 @@ plain decoding on the same machine: the speed-up it reaches, and how often it lo
 Every run decodes a batch of requests to a fixed length twice on the same simulated clock, once with the
 controller deciding which drafts to verify and once with none. A step of R rows takes COSTS_MS(R) (the step costs
 the Zen 4 VM's controller measured at batch 4 in the fortieth session, past 20 rows +0.75 ms a row) times the
-machine's speed at that moment: a slow AR(1) wander, steps that take 1.5-3x (1 in 50), and the cost of
-attention growing with the context (+17% over 300 tokens). What the forty-second session measured of 1,789 real
-plain batch-4 steps there (benchmarks/NOTES.md): lag-1 autocorrelation of the log step time 0.64 (0.40 at lag
-20, 0.08 at lag 100), the median of 50-step blocks 5.9-7.2 ms rising with the context, one block 10.1 ms.
-It models every step of a moment as slowed alike and the context as a common factor, which is the
-controller's own model: a machine where they are not would read worse. A request alternates between copying (a draft is
-right 95% of the time) and writing (10%), the n-gram proposer offering drafts while it copies and for 30% of
-its writing steps; this mimics the grounded task, where ~70% of drafts are accepted.
+machine's speed at that moment: a slow AR(1) wander, steps that take 1.5-3x (1 in 50), and the cost of attention
+growing with the context (+17% over 300 tokens). benchmarks/step_time_noise.py measures that noise on a machine
+(the forty-second session's figures are in benchmarks/NOTES.md). The model slows every step of a moment alike and
+takes the context as a common factor, which is the controller's own model: a machine where they are not would
+read worse. A request alternates between copying (a draft is right 95% of the time) and writing (10%), the n-gram
+proposer offering drafts while it copies and for 30% of its writing steps; this mimics the grounded task, where
+~70% of drafts are accepted.
 
-    .venv/bin/python benchmarks/spec_controller_drift_sim.py [RUNS]   # pure Python, seconds
+    .venv/bin/python benchmarks/spec_controller_drift_sim.py [RUNS [ADAPTIVE_PY [MIN_GAIN]]]   # seconds
+
+ADAPTIVE_PY: another version of the controller's file (`git show 2d97a7e~1:pagellm/spec_decode/adaptive.py`, the
+one before the speed factor, gives the forty-second session's "before"); MIN_GAIN: that module's MIN_GAIN instead
+of its own (the session compared 0.05 / 0.1 / 0.15 / 0.2).
 """
 
+import importlib.util
 import math
 import random
 import statistics
 import sys
 
-from pagellm.spec_decode.adaptive import SpeculationController
+from pagellm.spec_decode import adaptive
 
 COSTS_MS = {1: 5.28, 4: 6.5, 5: 7.6, 8: 10.4, 12: 14.3, 20: 22.3}
 K = 4
@@ -52,7 +56,7 @@ class Machine:
         return math.exp(self.log_speed[i])
 
 
-def decode(machine: Machine, batch: int, ctl: SpeculationController | None, seed: int) -> float:
+def decode(machine: Machine, batch: int, ctl, seed: int) -> float:
     """Simulated ms to generate TOKENS tokens for each of `batch` requests; ctl None: plain decoding."""
     rng = random.Random(seed)  # the requests' copying runs and the steps' own noise
     done = dict.fromkeys(range(batch), 0)
@@ -95,11 +99,18 @@ def decode(machine: Machine, batch: int, ctl: SpeculationController | None, seed
 
 def main() -> None:
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    module = adaptive
+    if len(sys.argv) > 2:
+        spec = importlib.util.spec_from_file_location("other_adaptive", sys.argv[2])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    if len(sys.argv) > 3:
+        module.MIN_GAIN = float(sys.argv[3])
     for batch in (1, 4, 16):
         ratios = []
         for seed in range(runs):
             plain = decode(Machine(seed), batch, None, seed)
-            spec = decode(Machine(seed), batch, SpeculationController(), seed)
+            spec = decode(Machine(seed), batch, module.SpeculationController(), seed)
             ratios.append(plain / spec)
         q = statistics.quantiles(ratios, n=20)
         print(f"batch {batch:2d}: speed-up median {statistics.median(ratios):.3f}, mean {statistics.mean(ratios):.3f}, "

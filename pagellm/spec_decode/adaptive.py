@@ -14,8 +14,9 @@ both from whole decode-only steps (row counts never seen are interpolated, or ex
 slope seen so far). The speed follows what moves every step alike, a shared machine's minute or the context
 growing, so a row count measured a while ago is compared with one measured now at the same speed. One moving
 average per row count did not: on the Zen 4 VM a plain 4-row step measured in a slow moment read 9.1 ms
-against 6.6 later, and a run that kept drafts against it read 0.86x. (benchmarks/spec_controller_drift_sim.py
-simulates that machine's noise; there the median speed-up at batch 4 went from 0.971x to 0.994x.) A step
+against 6.6 later, and a run that kept drafts against it read 0.86x (benchmarks/spec_controller_state.py 4 4).
+(benchmarks/spec_controller_drift_sim.py simulates that machine's noise; there the median speed-up at batch 4
+went from 0.971x to 0.995x.) A step
 beyond OUTLIER times its estimate counts as OUTLIER times: one step in 50 takes 1.5-3x there. Acceptance is
 measured per request and draft position: the smoothed rate at which a draft is accepted where the ones before
 it were.
@@ -59,7 +60,8 @@ RECHECK_EVERY = 4  # while a batch size keeps no drafts, ask the proposer on one
 # nearly a plain row each (a 2-core Zen 4 VM: one decode step's products 5.58 ms at 4 rows, 9.68 at 8,
 # benchmarks/microbench_int8_tiles.py), plans near break-even were kept at batch 4 and measured 0.93-0.99x
 # (benchmarks/results/zen4/s20_spec_auto_ngram_grounded*). In the drift simulation
-# (benchmarks/spec_controller_drift_sim.py) 0.15 lost least at batch 4 and 16 and kept batch 1's gain.
+# (benchmarks/spec_controller_drift_sim.py 200 pagellm/spec_decode/adaptive.py M, M = 0.05 / 0.1 / 0.15 / 0.2)
+# 0.15 lost least at batch 4 and 16 and kept batch 1's gain.
 MIN_GAIN = 0.15
 
 

@@ -99,18 +99,17 @@ inline bool groups_heads8(const AttentionArgs<T>& a) {
     return (a.D == 64 || a.D == 128) && a.G > 1;
 }
 
-// All query heads of row t, up to 3 of one KV head at a time (4 as 2 + 2).
+// All query heads of row t (G > 1), 3 of one KV head at a time, the last 2 or 4 as 2 + 2: no group of 1 is left.
 template <typename T>
 void attend_row_grouped8(const AttentionArgs<T>& a, int t, float* scores, int64_t stride, TokenStream<T>* next) {
     float* s[3] = {scores, scores + stride, scores + 2 * stride};
     for (int kv = 0; kv < a.KV; ++kv) {
         for (int h0 = kv * a.G, left = a.G; left > 0;) {
-            const int n = left == 4 ? 2 : std::min(3, left);
-            switch (n) {
-                case 3: attend_group8<3>(a, t, h0, s, next); break;
-                case 2: attend_group8<2>(a, t, h0, s, next); break;
-                default: attend_group8<1>(a, t, h0, s, next); break;
-            }
+            const int n = left == 2 || left == 4 ? 2 : 3;
+            if (n == 3)
+                attend_group8<3>(a, t, h0, s, next);
+            else
+                attend_group8<2>(a, t, h0, s, next);
             h0 += n, left -= n;
         }
     }
