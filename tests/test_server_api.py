@@ -4,6 +4,8 @@
 Two tiny servers: one with every option on (and an API key), one with the defaults, to see the options off.
 """
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -174,3 +176,21 @@ def test_without_the_flag_no_header_but_the_client_id_still_names_the_request(pl
                    json={"model": MODEL, "prompt": "hi", **GREEDY})
     assert "x-request-id" not in r.headers and r.json()["id"] == "cmpl-mine"
     assert "servers" not in httpx.get(plain.url + "/openapi.json").json()
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/responses"])
+def test_streamed_line_separators_stay_inside_their_chunk_for_a_splitlines_reader(plain, route):
+    # U+0085, U+2028 and U+2029 are line ends to str.splitlines (httpx's iter_lines) but not to SSE, and
+    # json.dumps writes them raw: a sampled token decoding to one cut its chunk in two in a serving benchmark.
+    text = "a\u2028b\x85c\u2029d"
+    body = ({"prompt": text, "echo": True} if route == "/v1/completions" else {"input": "hi", "instructions": text}) | {
+        "model": MODEL, "max_tokens" if route == "/v1/completions" else "max_output_tokens": 3, "stream": True,
+        "temperature": 0}
+    with httpx.stream("POST", plain.url + route, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        data = [ln[5:].strip() for ln in r.iter_lines() if ln.startswith("data:")]
+    chunks = [json.loads(d) for d in data if d != "[DONE]"]  # a cut chunk fails here
+    if route == "/v1/completions":
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).startswith(text)
+    else:  # every event that carries the response carries its instructions
+        assert chunks[0]["response"]["instructions"] == text

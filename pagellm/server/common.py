@@ -106,9 +106,19 @@ def now_s() -> int:
     return int(time.time())
 
 
+# json.dumps escapes every control character below U+0020 but writes U+0085, U+2028 and U+2029 as they are;
+# clients that read SSE with str.splitlines (httpx's iter_lines, for one) take those for line ends and cut the
+# chunk's JSON in two (a sampled token decoded to one of them lost a request in a serving benchmark).
+_LINE_BREAKS_ESCAPED = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(payload: dict) -> str:
+    """payload as one line of JSON, safe inside an SSE data field for any line splitter."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_ESCAPED)
+
+
 def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
-                                                               separators=(",", ":"))
+    data = payload if isinstance(payload, str) else sse_json(payload)
     return f"data: {data}\n\n"
 
 

@@ -30,6 +30,7 @@ from pagellm.server.common import (
     iteration_error,
     merged,
     sampled_logprobs,
+    sse_json,
     unless_disconnected,
 )
 from pagellm.server.errors import APIError, bad_request
@@ -270,7 +271,7 @@ class _Events:
     def __call__(self, type_: str, **payload) -> str:
         data = {"type": type_, "sequence_number": self.seq, **payload}
         self.seq += 1
-        return f"event: {type_}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"event: {type_}\ndata: {sse_json(data)}\n\n"
 
 
 async def _stream(state: _ResponseState, streams, store: ResponseStore) -> AsyncIterator[str]:
