@@ -1,6 +1,7 @@
 """`pagellm bench serve`: the arrival process and metric formulas on their own, then whole runs through
 the CLI against a real server (a subprocess on a tiny random Llama with SmolLM2's tokenizer)."""
 
+import asyncio
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from pagellm.bench.common import sse_data
 from pagellm.bench.serve import RequestRecord, parse_dataset, parse_goodput, send_times, summarize
 from pagellm.cli import main
 from pagellm.platforms import get_platform
@@ -466,3 +468,20 @@ def test_temperature_is_the_servers_unless_given():
     assert all(r.success for r in asyncio.run(go()))
     assert "temperature" not in bodies[0] and [b.get("temperature") for b in bodies[1:]] == [0.0, 0.7]
     assert bodies[0]["ignore_eos"] is True and bodies[0]["prompt"] == [100, 7] and bodies[0]["stream"] is True
+
+
+def test_sse_lines_end_where_sse_says_not_where_splitlines_does():
+    # vLLM's server writes U+2028 and its kin raw inside JSON strings; CR, LF and CR LF end lines, also split
+    # across the pieces the transport hands over.
+    pieces = ['data: {"t": "a\u2028b\x85c\u2029d"}\r', '\n\r\ndata: {"t": "e"}\r\rdata: [DO', 'NE]\n',
+              ': a comment\nevent: x\ndata:{"t": "f"}']
+
+    async def text():
+        for p in pieces:
+            yield p
+
+    async def collect():
+        return [d async for d in sse_data(text())]
+
+    assert asyncio.run(collect()) == ['{"t": "a\u2028b\x85c\u2029d"}', '{"t": "e"}', "[DONE]", '{"t": "f"}']
+    assert len("".join(pieces).splitlines()) > 7  # what a splitlines reader would have made of it

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 import time
+from collections.abc import AsyncIterable, AsyncIterator
 
 from pagellm.bench import roofline
 
@@ -34,6 +36,27 @@ def print_receipt(orders, tax_rate):
 '''
 GROUNDED_PROMPT = ("Rewrite the following Python code, renaming the variable `subtotal` to `items_cost`. "
                    "Reply with the full code only.\n\n" + GROUNDED_CODE)
+
+
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_data(text: AsyncIterable[str]) -> AsyncIterator[str]:
+    """The data fields of a server-sent event stream given as text pieces (a response's aiter_text()). Lines
+    end where the SSE specification says, at CR LF, LF or CR: str.splitlines (httpx's aiter_lines) also ends
+    them at U+0085, U+2028 and U+2029, which servers (vLLM's among them) write unescaped inside a JSON string,
+    so a token decoding to one of them cut its chunk in two and failed the request in the client."""
+    pending = ""
+    async for piece in text:
+        pending += piece
+        cut = len(pending) - 1 if pending.endswith("\r") else len(pending)  # a last CR may begin a CR LF
+        *lines, rest = _SSE_LINE_END.split(pending[:cut])
+        pending = rest + pending[cut:]
+        for line in lines:
+            if line.startswith("data:"):
+                yield line[5:].removeprefix(" ")
+    if pending.startswith("data:"):
+        yield pending[5:].removeprefix(" ").rstrip("\r")
 
 
 def machine_info() -> dict:

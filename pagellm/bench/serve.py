@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagellm import cli_types
-from pagellm.bench.common import print_platform_line, served_model
+from pagellm.bench.common import print_platform_line, served_model, sse_data
 from pagellm.bench.report import check_outputs, plot_written, write_json
 from pagellm.bench.workload import BenchRequest, random_workload
 
@@ -241,10 +241,7 @@ async def _send(client, base: str, model: str, req: BenchRequest, t0: float,
             if r.status_code != 200:
                 rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return rec
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in sse_data(r.aiter_text()):
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)

@@ -15,6 +15,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from pagellm.bench.common import sse_data
+
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have "
          "an they you were her she there one all we their been has when who will more no if out so said what "
          "up its about into than them can only other new some could time these two may then do first any my "
@@ -272,10 +274,7 @@ def _check_body(spec: Spec, data: dict) -> str:
 async def _read_stream(r, spec: Spec, out: Outcome, st: float) -> None:
     finished: dict[int, str] = {}
     chunks, last = 0, st
-    async for line in r.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        payload = line[5:].strip()
+    async for payload in sse_data(r.aiter_text()):
         if payload == "[DONE]":
             out.final = True
             break
