@@ -476,12 +476,15 @@ def test_sse_lines_end_where_sse_says_not_where_splitlines_does():
     pieces = ['data: {"t": "a\u2028b\x85c\u2029d"}\r', '\n\r\ndata: {"t": "e"}\r\rdata: [DO', 'NE]\n',
               ': a comment\nevent: x\ndata:{"t": "f"}']
 
-    async def text():
+    async def text(pieces):
         for p in pieces:
             yield p
 
-    async def collect():
-        return [d async for d in sse_data(text())]
+    async def collect(pieces):
+        return [d async for d in sse_data(text(pieces))]
 
-    assert asyncio.run(collect()) == ['{"t": "a\u2028b\x85c\u2029d"}', '{"t": "e"}', "[DONE]", '{"t": "f"}']
+    expected = ['{"t": "a\u2028b\x85c\u2029d"}', '{"t": "e"}', "[DONE]", '{"t": "f"}']
+    assert asyncio.run(collect(pieces)) == expected
+    assert asyncio.run(collect(list("".join(pieces)))) == expected  # one character a piece
+    assert asyncio.run(collect(["data: [DONE] \r"])) == ["[DONE]"]
     assert len("".join(pieces).splitlines()) > 7  # what a splitlines reader would have made of it

@@ -45,18 +45,21 @@ async def sse_data(text: AsyncIterable[str]) -> AsyncIterator[str]:
     """The data fields of a server-sent event stream given as text pieces (a response's aiter_text()). Lines
     end where the SSE specification says, at CR LF, LF or CR: str.splitlines (httpx's aiter_lines) also ends
     them at U+0085, U+2028 and U+2029, which servers (vLLM's among them) write unescaped inside a JSON string,
-    so a token decoding to one of them cut its chunk in two and failed the request in the client."""
-    pending = ""
+    so a token decoding to one of them cut its chunk in two and failed the request in the client. A CR LF cut
+    between pieces reads as a line and an empty one, which carries no field."""
+    parts: list[str] = []  # the line so far: a long line in many pieces is joined once, not per piece
     async for piece in text:
-        pending += piece
-        cut = len(pending) - 1 if pending.endswith("\r") else len(pending)  # a last CR may begin a CR LF
-        *lines, rest = _SSE_LINE_END.split(pending[:cut])
-        pending = rest + pending[cut:]
+        if "\n" not in piece and "\r" not in piece:
+            parts.append(piece)
+            continue
+        *lines, rest = _SSE_LINE_END.split("".join(parts) + piece)
+        parts = [rest]
         for line in lines:
             if line.startswith("data:"):
-                yield line[5:].removeprefix(" ")
-    if pending.startswith("data:"):
-        yield pending[5:].removeprefix(" ").rstrip("\r")
+                yield line[5:].strip(" \t")
+    last = "".join(parts)
+    if last.startswith("data:"):
+        yield last[5:].strip(" \t")
 
 
 def machine_info() -> dict:
