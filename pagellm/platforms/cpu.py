@@ -21,6 +21,7 @@ from pagellm.platforms.base import OpChoices, Platform
 from pagellm.platforms.cpu_memory import (
     M_MMAP_THRESHOLD,
     M_TRIM_THRESHOLD,
+    MMAP_THRESHOLD,
     PREFAULT_MAX_SHARE,
     TRIM_THRESHOLD,
     available_memory,
@@ -291,12 +292,13 @@ class CpuPlatform(Platform):
     def loading(self) -> Iterator[None]:
         # Loading churns through tens of MiB-sized temporaries on worker threads; below glibc's grown mmap
         # threshold they pile up in per-thread arenas (peak RSS 1.5 GiB for a 0.45 GiB model). Map them
-        # directly while loading, then allow the usual 32 MiB (the dynamic threshold's ceiling).
+        # directly while loading, then allow MMAP_THRESHOLD (above the dynamic threshold's 32 MiB ceiling: a step's
+        # big outputs, such as many rows' logits, are reused from the heap instead of faulted in every step).
         mallopt(M_MMAP_THRESHOLD, 1 << 20)
         try:
             yield
         finally:
-            mallopt(M_MMAP_THRESHOLD, 32 << 20)
+            mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
             # A fixed mmap threshold also fixes the trim threshold at 128 KiB: every step's freed activations
             # at the heap's top went back to the OS and the next step faulted them in again (W2 offline on the
             # Xeon VM: 1.35M page faults and 527 tok/s, a second run in the same engine 2.67M and 449; with
@@ -307,7 +309,7 @@ class CpuPlatform(Platform):
         malloc_trim()
 
     def release_free_memory(self) -> None:
-        # Requests leave freed buffers below the 32 MiB mmap threshold (bodies, prompts, logits rows) in
+        # Requests leave freed buffers below the mmap threshold (MMAP_THRESHOLD) (bodies, prompts, logits rows) in
         # glibc's arenas, which only return memory from their top: without a trim RSS ratchets up with
         # every new peak (bench soak: +150 MiB over 10 minutes of SmolLM2 traffic).
         malloc_trim()
