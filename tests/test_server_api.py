@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_server import MODEL, Server
 
+from pagellm.server.common import sse
+
 pytestmark = pytest.mark.timeout(240)
 
 KEY = "sk-test"
@@ -201,8 +203,6 @@ def test_streamed_line_separators_stay_inside_their_chunk_for_a_splitlines_reade
 @settings(max_examples=300, deadline=None)
 @given(st.text())
 def test_an_sse_chunk_is_one_line_to_every_splitter_and_round_trips(text):
-    from pagellm.server.common import sse
-
     event = sse({"text": text, "n": [text]})
     lines = event.splitlines()  # the widest splitter: every SSE line end and U+0085, U+2028, U+2029, \x1c-\x1e
     assert len(lines) == 2 and lines[1] == "" and event.endswith("\n\n")

@@ -15,7 +15,8 @@ import torch
 TRIM_THRESHOLD = 256 << 20
 # Blocks at least this large are mapped for each allocation and unmapped when freed, so every use faults its pages
 # in again. glibc's dynamic threshold stops at 32 MiB; float32 logits of 164+ rows (SmolLM2's 49,152 columns) are
-# larger, and the head at 256 rows on the Xeon VM took 22-24 ms (12,289 faults a call) against 11-12 from the heap.
+# larger: the head at 256 rows on the Xeon VM took 22.2 ms (12,289 faults a call) against 11.4 from the heap
+# (benchmarks/big_batch_faults.py 32|128 head).
 MMAP_THRESHOLD = 128 << 20
 
 

@@ -122,9 +122,8 @@ def sse_json(payload: dict) -> str:
     return data
 
 
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else sse_json(payload)
-    return f"data: {data}\n\n"
+def sse(payload: dict) -> str:
+    return f"data: {sse_json(payload)}\n\n"
 
 
 DONE = "data: [DONE]\n\n"
